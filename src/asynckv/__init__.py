@@ -1,0 +1,20 @@
+"""asynckv: an asyncio facade over vLLM's ``LLMEngine``, stepped on its own worker thread."""
+
+from __future__ import annotations
+
+from ._engine import AsyncEngine
+from ._errors import AsyncKVError, EngineClosedError, EngineDeadError, EngineNotStartedError
+from ._stream import RequestStream
+
+__all__ = (
+    "AsyncEngine",
+    "AsyncKVError",
+    "EngineClosedError",
+    "EngineDeadError",
+    "EngineNotStartedError",
+    "RequestStream",
+)
+
+for _name in __all__:
+    globals()[_name].__module__ = __name__
+del _name

@@ -1,0 +1,183 @@
+"""Commands from the loops to the worker, and the outbox that carries answers back.
+
+Commands are built on an event loop and applied on the worker thread. Answers
+go back only through ``Outbox.flush``, which makes one ``call_soon_threadsafe``
+per loop per pass of the worker, however many requests and commands it
+answers: a step with 200 streams on one loop costs that loop one wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from vllm import LLMEngine
+    from vllm.sampling_params import SamplingParams
+
+    from ._stream import _Sink
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+_Callback = tuple[Callable[..., None], tuple[Any, ...]]
+
+
+class Outbox:
+    """Answers gathered during one pass of the worker, grouped by loop.
+
+    Not thread-safe: each pass (and the death path) uses its own outbox.
+    """
+
+    def __init__(self) -> None:
+        self._batches: dict[asyncio.AbstractEventLoop, list[_Callback]] = {}
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)`` to run on ``loop`` at the next flush."""
+        batch = self._batches.get(loop)
+        if batch is None:
+            batch = self._batches[loop] = []
+        batch.append((fn, args))
+
+    def flush(self) -> list[asyncio.AbstractEventLoop]:
+        """Send each loop its batch in one call; return the loops that are closed."""
+        closed = []
+        for loop, batch in self._batches.items():
+            if loop.is_closed():
+                closed.append(loop)
+                continue
+            try:
+                loop.call_soon_threadsafe(_run_batch, batch)
+            except RuntimeError:  # closed between the check and the call
+                closed.append(loop)
+        self._batches = {}
+        return closed
+
+
+def _run_batch(batch: list[_Callback]) -> None:
+    for fn, args in batch:
+        fn(*args)
+
+
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting (cancelled)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+@dataclass(eq=False)
+class Reply:
+    """Where the answer to a command goes: a future on the loop that sent it."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+    @classmethod
+    def here(cls) -> Reply:
+        """Make a reply bound to the running loop."""
+        loop = asyncio.get_running_loop()
+        return cls(loop, loop.create_future())
+
+    def ok(self, outbox: Outbox, value: Any = None) -> None:
+        outbox.post(self.loop, _settle, self.future, value, None)
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        outbox.post(self.loop, _settle, self.future, None, error)
+
+
+@dataclass(eq=False)
+class Add:
+    """Add a request; its outputs and errors go to ``sink``."""
+
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    kwargs: dict[str, Any]
+    sink: _Sink
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        outbox.post(self.sink.loop, self.sink.fail, error)
+
+
+@dataclass(eq=False)
+class Abort:
+    """Abort requests; ``reply`` (if any) is answered once they are out of the engine."""
+
+    request_ids: list[str]
+    reply: Reply | None = None
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        if self.reply is not None:
+            self.reply.fail(outbox, error)
+
+
+@dataclass(eq=False)
+class Call:
+    """Run ``fn(llm_engine)`` between two steps and answer with its result."""
+
+    fn: Callable[[LLMEngine], Any]
+    reply: Reply
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        self.reply.fail(outbox, error)
+
+
+@dataclass(eq=False)
+class Hold:
+    """Stop stepping at a boundary (now, or right after step ``at_step``) until released."""
+
+    at_step: int | None
+    reply: Reply
+    token: object = field(default_factory=object)
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        self.reply.fail(outbox, error)
+
+
+@dataclass(eq=False)
+class Release:
+    """End the hold made by the ``Hold`` with this token, applied or not."""
+
+    token: object
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class Pause:
+    """Stop admitting requests, handling those in flight as ``mode`` says."""
+
+    mode: PauseMode
+    clear_cache: bool
+    reply: Reply
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        self.reply.fail(outbox, error)
+
+
+@dataclass(eq=False)
+class Resume:
+    """Undo ``Pause``: admit the requests that waited, in order, and step again."""
+
+    reply: Reply
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        self.reply.fail(outbox, error)
+
+
+Command = Add | Abort | Call | Hold | Release | Pause | Resume
+
+
+def fail_all(commands: list[Command], error: BaseException) -> None:
+    """Answer every command with ``error`` (from any thread)."""
+    outbox = Outbox()
+    for command in commands:
+        command.fail(outbox, error)
+    with contextlib.suppress(Exception):
+        outbox.flush()

@@ -1,0 +1,311 @@
+"""AsyncEngine: the event-loop side of the facade.
+
+Every method here runs on the caller's thread, usually an event loop, and
+never touches the ``LLMEngine``: it puts a command in the worker's inbox and,
+for the awaitable ones, waits for the answer on the caller's loop. The sync
+``shutdown()`` may run on any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, get_args
+
+from vllm.sampling_params import SamplingParams
+
+from ._commands import Abort, Add, Call, Hold, Pause, PauseMode, Release, Reply, Resume
+from ._errors import EngineClosedError, EngineDeadError, EngineNotStartedError
+from ._stream import RequestStream, _Sink
+from ._worker import Worker
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from vllm import EngineArgs, LLMEngine
+    from vllm.lora.request import LoRARequest
+
+__all__ = ("AsyncEngine",)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class AsyncEngine:
+    """An asyncio facade over one ``vllm.LLMEngine``, stepped on its own thread.
+
+    A dedicated worker thread owns the engine: it is the only thread that
+    calls it. Methods put commands in the worker's inbox, which it applies in
+    FIFO order between two steps, so a command issued after another (from any
+    loop or thread) is applied after it. Streams and command results are
+    delivered to the event loop that issued them; one started engine serves
+    any number of loops, at once or one after the other.
+
+    Build one with ``AsyncEngine.from_engine_args(args)`` and ``await start()``
+    (or ``async with``), or wrap an engine you built with ``AsyncEngine(engine)``,
+    which starts the worker at once. The engine is then owned by the facade:
+    closing the facade shuts it down.
+    """
+
+    def __init__(self, llm_engine: LLMEngine) -> None:
+        self._worker = Worker(lambda: llm_engine)
+        self._closed = False
+        self._worker.start(None)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncEngine:
+        """Make an engine that ``start()`` will build from ``engine_args``.
+
+        Does no heavy work: nothing is loaded until ``start()``.
+        """
+        from vllm import LLMEngine
+
+        self = cls.__new__(cls)
+        self._worker = Worker(functools.partial(LLMEngine.from_engine_args, engine_args))
+        self._closed = False
+        return self
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Build the engine on the worker thread and wait until it is ready.
+
+        The event loop keeps serving meanwhile (loading and compiling can take
+        tens of seconds). Raises the engine's own error if it can't be built.
+        A no-op for an engine that is already started.
+        """
+        self._check_open()
+        if self._worker.started:
+            return
+        reply = Reply.here()
+        self._worker.start(reply)
+        await reply.future
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Close the engine: end what is in flight, shut vLLM down, join the worker.
+
+        Streams and commands still in flight end with ``EngineClosedError``, as
+        do all later calls. Waits (without blocking the loop) up to about
+        ``timeout`` seconds for the worker; a worker stuck in a dead engine is
+        abandoned and its engine processes killed. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._worker.close, timeout)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Blocking ``aclose()``, for any thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.close(timeout)
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError()
+
+    def _submit(self, command: Any) -> None:
+        self._check_open()
+        if not self._worker.started:
+            raise EngineNotStartedError()
+        self._worker.inbox.put(command)  # raises EngineDeadError once dead
+
+    async def _ask(self, make: Callable[[Reply], Any]) -> Any:
+        reply = Reply.here()
+        self._submit(make(reply))
+        return await reply.future
+
+    # -- requests ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> RequestStream:
+        """Submit a request now and return its stream.
+
+        The request is in the inbox when this returns, before anyone awaits
+        the stream. ``prompt`` is anything ``LLMEngine.add_request`` takes (a
+        string, a ``TokensPrompt``, ...); ``kwargs`` go to ``add_request``
+        (``lora_request``, ``priority``, ...). Without ``request_id`` a unique
+        one is made. Must be called on a running event loop, which the stream
+        then belongs to.
+
+        A bad request (empty or too long prompt, unknown LoRA, an id already
+        in flight, ...) raises its error from the stream, to this caller only.
+
+        Raises:
+            EngineClosedError, EngineDeadError, EngineNotStartedError: at once.
+        """
+        loop = asyncio.get_running_loop()
+        params = SamplingParams() if sampling_params is None else sampling_params
+        rid = uuid.uuid4().hex if request_id is None else request_id
+        sink = _Sink(loop, params.output_kind, params.n)
+        self._submit(Add(rid, prompt, params, kwargs, sink))
+        return RequestStream(rid, sink, self._abort_soon)
+
+    def _abort_soon(self, request_id: str) -> None:
+        # Called from streams abandoned by cancel, break or GC: never raise.
+        with contextlib.suppress(Exception):
+            self._worker.inbox.put(Abort([request_id]))
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests and return once they are out of the engine.
+
+        Each stream ends with a final output whose unfinished completions have
+        ``finish_reason == "abort"``. Unknown or finished ids are ignored.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self._ask(lambda reply: Abort(ids, reply))
+
+    # -- between two steps ---------------------------------------------------------
+
+    async def run_on_engine(
+        self, fn: Callable[..., R], *args: Any, **kwargs: Any
+    ) -> R:
+        """Run ``fn(llm_engine, *args, **kwargs)`` on the worker between two steps.
+
+        Returns its result; its exception is raised here and the engine keeps
+        going. ``fn`` must not block for long: no step runs meanwhile.
+        """
+        result: R = await self._ask(lambda reply: Call(lambda e: fn(e, *args, **kwargs), reply))
+        return result
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Reset the prefix cache between two steps and return vLLM's answer.
+
+        False when running requests still hold blocks and
+        ``reset_running_requests`` is False. With it True, running requests are
+        preempted and recomputed, and finish as they would have without the reset.
+        """
+        result: bool = await self.run_on_engine(
+            lambda e: e.reset_prefix_cache(reset_running_requests, reset_connector)
+        )
+        return result
+
+    @property
+    def step_count(self) -> int:
+        """The number of engine steps completed so far."""
+        return self._worker.step_count
+
+    @contextlib.asynccontextmanager
+    async def paused(self, at_step: int | None = None) -> AsyncIterator[int]:
+        """Hold the engine at a step boundary for the duration of the block.
+
+        Enters once the worker stands at the next boundary, or right after step
+        ``at_step`` completes, and yields the number of completed steps there.
+        Commands issued in the block (generate, abort, reset, ...) are applied
+        in order at that boundary; stepping resumes when the block exits.
+
+        Raises:
+            ValueError: ``at_step`` has already passed.
+        """
+        hold = Hold(at_step, Reply.here())
+        try:
+            self._submit(hold)
+            step: int = await hold.reply.future
+            yield step
+        finally:
+            with contextlib.suppress(EngineClosedError, EngineDeadError):
+                self._worker.inbox.put(Release(hold.token))
+
+    async def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Pause generation, as ``AsyncLLM.pause_generation`` does.
+
+        Requests submitted while paused wait and are admitted, in order, on
+        ``resume_generation()``. ``mode`` says what happens to those in flight:
+        ``"abort"`` aborts them, ``"wait"`` returns once they have finished,
+        ``"keep"`` freezes them until resumed. ``clear_cache`` then resets the
+        prefix cache (preempting kept requests, which recompute on resume).
+        """
+        if mode not in get_args(PauseMode):
+            raise ValueError(f"mode must be one of {get_args(PauseMode)}, not {mode!r}")
+        await self._ask(lambda reply: Pause(mode, clear_cache, reply))
+
+    async def resume_generation(self) -> None:
+        """Resume after ``pause_generation()``: admit the waiting requests, step again."""
+        await self._ask(Resume)
+
+    async def is_paused(self) -> bool:
+        """Whether ``pause_generation()`` is in force."""
+        self._check_open()
+        return self._worker.admission_paused
+
+    # -- AsyncLLM's pass-throughs --------------------------------------------------
+
+    async def get_tokenizer(self) -> Any:
+        """The engine's tokenizer."""
+        return await self.run_on_engine(lambda e: e.get_tokenizer())
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter into the engine."""
+        return bool(await self.run_on_engine(lambda e: e.add_lora(lora_request)))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Remove a loaded LoRA adapter."""
+        return bool(await self.run_on_engine(lambda e: e.remove_lora(lora_id)))
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the loaded LoRA adapters."""
+        return set(await self.run_on_engine(lambda e: e.list_loras()))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep (free its memory) at ``level``."""
+        await self.run_on_engine(lambda e: e.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the engine up from ``sleep``."""
+        await self.run_on_engine(lambda e: e.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        """Whether the engine is asleep."""
+        return bool(await self.run_on_engine(lambda e: e.is_sleeping()))
+
+    async def collective_rpc(
+        self,
+        method: str | Callable[..., R],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[R]:
+        """Run ``method`` on every model worker, as ``LLMEngine.collective_rpc``."""
+        result: list[R] = await self.run_on_engine(
+            lambda e: e.collective_rpc(method, timeout, args, kwargs)
+        )
+        return result
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` (or ``EngineClosedError``) unless the engine is usable."""
+        self._check_open()
+        if (error := self._worker.dead_error) is not None:
+            raise error
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine has died."""
+        return self._worker.dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException:
+        """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
+        return self._worker.dead_error or EngineDeadError(RuntimeError("the engine is alive"))

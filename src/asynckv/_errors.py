@@ -1,0 +1,51 @@
+"""The exceptions asynckv raises, one class per condition.
+
+Runs on any thread: these are plain exception classes.
+"""
+
+from __future__ import annotations
+
+__all__ = ("AsyncKVError", "EngineClosedError", "EngineDeadError", "EngineNotStartedError")
+
+
+class AsyncKVError(Exception):
+    """Base class of every exception that asynckv raises itself.
+
+    vLLM's own validation errors (a prompt that is too long, an unknown LoRA, ...)
+    are not wrapped: they reach the caller unchanged.
+    """
+
+
+class EngineClosedError(AsyncKVError):
+    """Raised when the engine was closed by ``aclose()`` or ``shutdown()``.
+
+    Streams still in flight at the close end with it, and so does every call
+    made after it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("the engine was closed")
+
+
+class EngineNotStartedError(AsyncKVError):
+    """Raised when an engine made by ``from_engine_args`` is used before ``start()``."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the engine is not started: await engine.start() or use 'async with engine'"
+        )
+
+
+class EngineDeadError(AsyncKVError):
+    """Raised when the engine broke: ``step()`` raised or an engine process died.
+
+    Every stream and command in flight at the death ends with it, and so does
+    every later call. ``__cause__`` is the original exception, and the message
+    names it, so the root cause is in the message itself.
+    """
+
+    def __init__(self, cause: BaseException) -> None:
+        detail = str(cause)
+        name = type(cause).__name__
+        super().__init__(f"the engine died: {name}: {detail}" if detail else f"the engine died: {name}")
+        self.__cause__ = cause

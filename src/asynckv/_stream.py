@@ -1,0 +1,250 @@
+"""RequestStream: the loop side of one request.
+
+Everything here runs on the event loop that created the stream, except
+``_Sink.push`` and ``_Sink.fail``, which the worker schedules onto that loop
+with ``call_soon_threadsafe`` (never calls directly). So no lock is needed:
+the buffer is only ever touched by its own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import warnings
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING
+
+from vllm.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+__all__ = ("RequestStream",)
+
+
+class _Sink:
+    """The buffer between the worker and one stream's consumer.
+
+    It holds at most one pending output, so a slow consumer costs constant
+    memory however many steps pass: DELTA outputs are merged into the pending
+    one, a CUMULATIVE or FINAL_ONLY output replaces it. For ``n > 1`` it keeps
+    the latest completion of each index, because vLLM's streaming kinds emit
+    one child per output.
+    """
+
+    __slots__ = ("_error", "_latest", "_pending", "_waiter", "finished", "kind", "loop", "n")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, kind: RequestOutputKind, n: int) -> None:
+        self.loop = loop
+        self.kind = kind
+        self.n = n
+        self.finished = False  # the final output or an error has been received
+        self._pending: RequestOutput | None = None
+        self._latest: dict[int, CompletionOutput] = {}
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, out: RequestOutput) -> None:
+        """Take one output from the engine (on the loop, scheduled by the worker)."""
+        if self.finished:
+            return
+        if self.kind is RequestOutputKind.DELTA:
+            if self._pending is None:
+                self._pending = out
+            else:
+                # The pending output was never handed out, so merging into it is safe.
+                self._pending.add(out, aggregate=True)
+        elif self.n > 1 and self.kind is RequestOutputKind.CUMULATIVE:
+            for completion in out.outputs:
+                self._latest[completion.index] = completion
+            merged = copy.copy(out)
+            merged.outputs = [self._latest[i] for i in sorted(self._latest)]
+            self._pending = merged
+        else:
+            self._pending = out
+        if out.finished:
+            self.finished = True
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (on the loop, scheduled by the worker)."""
+        if self.finished:
+            return
+        self.finished = True
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> RequestOutput:
+        """Return the next output; raise StopAsyncIteration after the final one."""
+        while True:
+            out = self._pending
+            if out is not None:
+                self._pending = None
+                if self.n > 1 and self.kind is RequestOutputKind.DELTA:
+                    out.outputs.sort(key=_index)
+                return out
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                raise StopAsyncIteration
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the consumer has taken everything, final output or error included."""
+        return self.finished and self._pending is None and self._error is None
+
+
+def _index(completion: CompletionOutput) -> int:
+    return completion.index
+
+
+class RequestStream:
+    """The outputs of one request, to iterate or to await.
+
+    A stream belongs to the event loop that created it: use it only there.
+    ``async for out in stream`` yields ``RequestOutput``s in the order the
+    engine produced them, following ``sampling_params.output_kind``; the last
+    one has ``finished=True``. ``await stream`` consumes what is left and
+    returns the final output, with all ``n`` completions ordered by index
+    (for DELTA, the concatenation of the deltas it consumed).
+
+    Every path away from an unfinished stream aborts the request in the
+    engine before its next step: cancelling the task that awaits or iterates
+    it, ``break`` out of ``async for`` (the iterator is dropped), ``aclose()``,
+    and garbage collection (which also warns with ``ResourceWarning``).
+    Every stream ends with a final output or an exception: ``EngineDeadError``,
+    ``EngineClosedError`` or the engine's own error for a bad request.
+    """
+
+    __slots__ = ("__weakref__", "_abandoned", "_abort", "_final", "_sink", "request_id")
+
+    def __init__(self, request_id: str, sink: _Sink, abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        """The request's id in the engine, given or generated."""
+        self._sink = sink
+        self._abort = abort
+        self._final: RequestOutput | None = None
+        self._abandoned = False
+
+    @property
+    def finished(self) -> bool:
+        """Whether the engine is done with this request (final output or error received)."""
+        return self._sink.finished
+
+    def _check_loop(self) -> None:
+        if asyncio.get_running_loop() is not self._sink.loop:
+            raise RuntimeError(
+                f"stream {self.request_id!r} belongs to another event loop; "
+                "use it only on the loop that called generate()"
+            )
+
+    async def _next(self) -> RequestOutput:
+        self._check_loop()
+        try:
+            out = await self._sink.next()
+        except (StopAsyncIteration, Exception):
+            raise
+        except BaseException:
+            # Cancelled (or interrupted) while waiting: nobody wants the rest.
+            self._abandon()
+            raise
+        if out.finished:
+            self._final = out
+        return out
+
+    def _abandon(self) -> None:
+        if not self._sink.finished and not self._abandoned:
+            self._abandoned = True
+            self._abort(self.request_id)
+
+    def __aiter__(self) -> _StreamIterator:
+        return _StreamIterator(self)
+
+    def __await__(self) -> Generator[object, None, RequestOutput]:
+        return self._result().__await__()
+
+    async def _result(self) -> RequestOutput:
+        merged: RequestOutput | None = None
+        delta = self._sink.kind is RequestOutputKind.DELTA
+        while not self._sink.exhausted:
+            out = await self._next()
+            if delta and merged is not None:
+                merged.add(out, aggregate=True)
+            elif delta:
+                merged = _copy_delta(out)
+            else:
+                merged = out
+        if merged is None:
+            if self._final is None:
+                raise RuntimeError(f"stream {self.request_id!r} was already consumed")
+            return self._final
+        if delta:
+            merged.outputs.sort(key=_index)
+        return merged
+
+    async def aclose(self) -> None:
+        """Abort the request if it is unfinished and wait until its stream has ended.
+
+        Idempotent. Errors that end the stream (a dead engine, say) are not raised.
+        """
+        self._check_loop()
+        self._abandon()
+        while not self._sink.exhausted:
+            try:
+                await self._sink.next()
+            except StopAsyncIteration:
+                break
+            except Exception:
+                break
+
+    def __del__(self) -> None:
+        if not self._sink.finished and not self._abandoned:
+            self._abort(self.request_id)
+            warnings.warn(
+                f"RequestStream {self.request_id!r} was garbage-collected unfinished; "
+                "its request was aborted",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
+
+class _StreamIterator:
+    """The iterator ``async for`` uses; dropping it unfinished aborts the request.
+
+    It is a separate object so that ``break`` (which drops the iterator but
+    not the stream) is seen at once, by reference counting.
+    """
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: RequestStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> _StreamIterator:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._stream._next()
+
+    def __del__(self) -> None:
+        self._stream._abandon()
+
+
+def _copy_delta(out: RequestOutput) -> RequestOutput:
+    """Copy a DELTA output deeply enough that merging into it changes nothing shared."""
+    merged = copy.copy(out)
+    merged.outputs = [copy.copy(c) for c in out.outputs]
+    for c in merged.outputs:
+        c.token_ids = list(c.token_ids)
+        if c.logprobs is not None:
+            c.logprobs = copy.copy(c.logprobs)
+    return merged

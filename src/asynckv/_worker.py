@@ -1,0 +1,430 @@
+"""The worker thread: sole owner of the ``LLMEngine``.
+
+Everything in ``Worker._run`` and below runs on the worker thread, which is
+the only thread that ever calls the engine. It applies the inbox's commands
+in FIFO order between two steps, steps only while requests are unfinished and
+nothing holds it, and otherwise sleeps on the inbox, so an idle engine costs
+no CPU. It answers the loops only through an ``Outbox``.
+
+Two things run elsewhere, under ``Worker._lock``, and touch no engine method:
+``die`` (called by the worker, or by the watchdog thread when an engine
+process dies) and ``close`` (called by the thread that closes the engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from vllm.v1.engine import FinishReason
+from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+from ._commands import (
+    Abort,
+    Add,
+    Call,
+    Command,
+    Hold,
+    Outbox,
+    Pause,
+    Release,
+    Reply,
+    Resume,
+    fail_all,
+)
+from ._errors import EngineClosedError, EngineDeadError
+
+if TYPE_CHECKING:
+    import asyncio
+    from multiprocessing.process import BaseProcess
+
+    from vllm import LLMEngine
+    from vllm.outputs import RequestOutput
+
+    from ._stream import _Sink
+
+from ._inbox import Inbox
+
+__all__ = ("Worker",)
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False, slots=True)
+class _Route:
+    sink: _Sink
+    loop: asyncio.AbstractEventLoop
+
+
+class Worker:
+    """Owns one ``LLMEngine`` on a thread of its own; see the module docstring."""
+
+    def __init__(self, build: Callable[[], LLMEngine]) -> None:
+        self.inbox: Inbox[Command] = Inbox()
+        self.step_count = 0
+        """Completed steps; written by the worker only, read by anyone."""
+        self.admission_paused = False
+        """Whether ``Pause`` is in force; written by the worker only."""
+        self.dead_error: EngineDeadError | None = None
+        self._build = build
+        self._engine: LLMEngine | None = None
+        self._processes: list[BaseProcess] = []
+        self._closing = threading.Event()
+        # Guards what die() and close() take from another thread: the routes and
+        # every command that waits on the worker for its answer.
+        self._lock = threading.Lock()
+        self._routes: dict[str, _Route] = {}
+        self._parked: list[Add] = []
+        self._holds: set[object] = set()
+        self._pending_holds: list[Hold] = []
+        self._drain_waiters: list[tuple[Reply, bool]] = []
+        self._keep = False
+        self._thread = threading.Thread(target=self._run, name="asynckv-engine", daemon=True)
+        self._started: Reply | None = None
+
+    # -- lifecycle, called from the loop side -------------------------------------
+
+    def start(self, reply: Reply | None) -> None:
+        """Start the thread; it builds the engine, then answers ``reply``."""
+        self._started = reply
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` was called."""
+        return self._thread.ident is not None
+
+    def close(self, timeout: float) -> None:
+        """Stop the worker, end everything in flight with ``EngineClosedError``, join.
+
+        Blocking; idempotent; any thread but the worker. Returns within about
+        ``timeout`` seconds even if the worker is stuck inside ``step()``: then the
+        engine processes are killed and the (daemon) thread is left behind.
+        """
+        error = EngineClosedError()
+        with self._lock:
+            self._closing.set()
+            leftovers = list(self.inbox.close(error))
+            waiting = self._take_waiting()
+        fail_all(leftovers, error)
+        _fail_waiting(waiting, error)
+        if self.started and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        for process in self._processes:
+            if process.is_alive():
+                with contextlib.suppress(Exception):
+                    process.kill()
+                    process.join(5)
+
+    def die(self, cause: BaseException) -> None:
+        """Declare the engine dead: end everything in flight with ``EngineDeadError``.
+
+        Idempotent, any thread. Ignored once closing: a close kills the processes.
+        """
+        with self._lock:
+            if self.dead_error is not None or self._closing.is_set():
+                return
+            error = self.dead_error = EngineDeadError(cause)
+            leftovers = list(self.inbox.close(error))
+            waiting = self._take_waiting()
+        fail_all(leftovers, error)
+        _fail_waiting(waiting, error)
+
+    def _take_waiting(self) -> list[tuple[asyncio.AbstractEventLoop, Callable[[BaseException], None]]]:
+        # Called with the lock held: everything that still waits for an answer.
+        waiting = [(r.loop, r.sink.fail) for r in self._routes.values()]
+        waiting += [(a.sink.loop, a.sink.fail) for a in self._parked]
+        waiting += [(h.reply.loop, _fail_future(h.reply)) for h in self._pending_holds]
+        waiting += [(r.loop, _fail_future(r)) for r, _ in self._drain_waiters]
+        self._routes, self._parked, self._pending_holds, self._drain_waiters = {}, [], [], []
+        return waiting
+
+    # -- the thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        outbox = Outbox()
+        try:
+            engine = self._engine = self._build()
+        except BaseException as exc:
+            if self._started is not None:
+                self._started.fail(outbox, exc)
+            self.die(exc)
+            outbox.flush()
+            return
+        self._processes = _engine_processes(engine)
+        if self._processes:
+            threading.Thread(target=self._watch, name="asynckv-watchdog", daemon=True).start()
+        if self._started is not None:
+            self._started.ok(outbox)
+        outbox.flush()
+        try:
+            self._loop(engine)
+        except BaseException as exc:  # step() or the engine broke: the engine is dead
+            self.die(exc)
+        finally:
+            with contextlib.suppress(BaseException):
+                engine.engine_core.shutdown()
+            self._engine = None
+
+    def _loop(self, engine: LLMEngine) -> None:
+        inbox = self.inbox
+        while not inbox.closed:
+            commands = inbox.take(block=not self._may_step(engine))
+            outbox = Outbox()
+            for command in commands:
+                self._apply(engine, command, outbox)
+            if self._may_step(engine) and not inbox.closed:
+                outputs = engine.step()
+                self.step_count += 1
+                self._dispatch(outputs, outbox)
+                self._after_step(engine, outbox)
+            for loop in outbox.flush():
+                self._forget_loop(engine, loop)
+
+    def _may_step(self, engine: LLMEngine) -> bool:
+        return not self._holds and not self._keep and engine.has_unfinished_requests()
+
+    def _dispatch(self, outputs: list[Any], outbox: Outbox) -> None:
+        routes = self._routes
+        with self._lock:
+            for out in outputs:
+                route = routes.get(out.request_id)
+                if route is None:
+                    continue  # aborted since, or not ours
+                outbox.post(route.loop, route.sink.push, out)
+                if out.finished:
+                    del routes[out.request_id]
+
+    def _after_step(self, engine: LLMEngine, outbox: Outbox) -> None:
+        if self._pending_holds:
+            with self._lock:
+                due = [h for h in self._pending_holds if h.at_step == self.step_count]
+                self._pending_holds = [h for h in self._pending_holds if h not in due]
+            for hold in due:
+                self._holds.add(hold.token)
+                hold.reply.ok(outbox, self.step_count)
+        if self._drain_waiters and not engine.has_unfinished_requests():
+            self._finish_drain(engine, outbox)
+
+    # -- commands ------------------------------------------------------------------
+
+    def _apply(self, engine: LLMEngine, command: Command, outbox: Outbox) -> None:
+        if isinstance(command, Add):
+            if self.admission_paused:
+                self._enlist(self._parked, command, command.sink.loop, command.sink.fail, outbox)
+            else:
+                self._admit(engine, command, outbox)
+        elif isinstance(command, Abort):
+            for request_id in command.request_ids:
+                self._abort(engine, request_id, outbox)
+            if command.reply is not None:
+                command.reply.ok(outbox)
+        elif isinstance(command, Call):
+            try:
+                result = command.fn(engine)
+            except VllmEngineDeadError:
+                raise
+            except Exception as exc:
+                command.reply.fail(outbox, exc)
+            else:
+                command.reply.ok(outbox, result)
+        elif isinstance(command, Hold):
+            self._hold(command, outbox)
+        elif isinstance(command, Release):
+            self._holds.discard(command.token)
+            with self._lock:
+                self._pending_holds = [h for h in self._pending_holds if h.token is not command.token]
+        elif isinstance(command, Pause):
+            self._pause(engine, command, outbox)
+        elif isinstance(command, Resume):
+            self._resume(engine, outbox)
+            command.reply.ok(outbox)
+
+    def _enlist(
+        self,
+        items: list[T],
+        item: T,
+        loop: asyncio.AbstractEventLoop,
+        fail: Callable[[BaseException], None],
+        outbox: Outbox,
+    ) -> None:
+        # die() and close() may run in the middle of a pass: what they can't see
+        # any more must be answered here.
+        with self._lock:
+            if (error := self.inbox.error) is None:
+                items.append(item)
+        if error is not None:
+            outbox.post(loop, fail, error)
+
+    def _admit(self, engine: LLMEngine, command: Add, outbox: Outbox) -> None:
+        request_id = command.request_id
+        if request_id in self._routes:
+            # vLLM can't tell two live requests with one id apart: aborting one
+            # would abort both.
+            error = ValueError(f"request id {request_id!r} is already in flight")
+            outbox.post(command.sink.loop, command.sink.fail, error)
+            return
+        try:
+            engine.add_request(request_id, command.prompt, command.params, **command.kwargs)
+        except VllmEngineDeadError:
+            raise
+        except Exception as exc:  # bad input: this caller's problem only
+            outbox.post(command.sink.loop, command.sink.fail, exc)
+            return
+        with self._lock:
+            if (error := self.inbox.error) is None:
+                self._routes[request_id] = _Route(command.sink, command.sink.loop)
+        if error is not None:  # closed or dead meanwhile: die()/close() can't see it
+            outbox.post(command.sink.loop, command.sink.fail, error)
+
+    def _abort(self, engine: LLMEngine, request_id: str, outbox: Outbox) -> None:
+        parked = next((a for a in self._parked if a.request_id == request_id), None)
+        if parked is not None:
+            # Admitted and aborted at once, so that it ends like any aborted request.
+            with self._lock:
+                self._parked.remove(parked)
+            self._admit(engine, parked, outbox)
+        with self._lock:
+            route = self._routes.pop(request_id, None)
+        if route is None:
+            return  # unknown or finished: a no-op
+        for out in _abort_outputs(engine, request_id):
+            outbox.post(route.loop, route.sink.push, out)
+        engine.abort_request([request_id])
+
+    def _hold(self, hold: Hold, outbox: Outbox) -> None:
+        if hold.at_step is None or hold.at_step == self.step_count:
+            self._holds.add(hold.token)
+            hold.reply.ok(outbox, self.step_count)
+        elif hold.at_step < self.step_count:
+            error = ValueError(f"step {hold.at_step} has passed: {self.step_count} steps are done")
+            hold.reply.fail(outbox, error)
+        else:
+            self._enlist(self._pending_holds, hold, hold.reply.loop, _fail_future(hold.reply), outbox)
+
+    def _pause(self, engine: LLMEngine, pause: Pause, outbox: Outbox) -> None:
+        self.admission_paused = True
+        if pause.mode == "abort":
+            for request_id in list(self._routes):
+                self._abort(engine, request_id, outbox)
+        elif pause.mode == "keep":
+            self._keep = True
+            if pause.clear_cache:
+                engine.reset_prefix_cache(reset_running_requests=True)
+            pause.reply.ok(outbox)
+            return
+        waiter = (pause.reply, pause.clear_cache)
+        self._enlist(self._drain_waiters, waiter, pause.reply.loop, _fail_future(pause.reply), outbox)
+        if not engine.has_unfinished_requests():
+            self._finish_drain(engine, outbox)
+
+    def _finish_drain(self, engine: LLMEngine, outbox: Outbox) -> None:
+        with self._lock:
+            waiters, self._drain_waiters = self._drain_waiters, []
+        if any(clear for _, clear in waiters):
+            engine.reset_prefix_cache()
+        for reply, _ in waiters:
+            reply.ok(outbox)
+
+    def _resume(self, engine: LLMEngine, outbox: Outbox) -> None:
+        self.admission_paused = False
+        self._keep = False
+        with self._lock:
+            parked, self._parked = self._parked, []
+            waiters, self._drain_waiters = self._drain_waiters, []
+        for reply, _ in waiters:
+            reply.ok(outbox)
+        for add in parked:
+            self._admit(engine, add, outbox)
+
+    def _forget_loop(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+        # Nobody can read the outputs of a closed loop's streams: stop computing them.
+        with self._lock:
+            ids = [rid for rid, route in self._routes.items() if route.loop is loop]
+            for rid in ids:
+                del self._routes[rid]
+            self._parked = [a for a in self._parked if a.sink.loop is not loop]
+        if ids:
+            engine.abort_request(ids)
+
+    # -- the watchdog thread -------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Turn the death of an engine process into ``die`` (runs on its own thread).
+
+        In multiprocess mode vLLM 0.32's ``step()`` can block forever once the
+        engine-core process is gone, so the worker can't be the one to notice.
+        """
+        by_sentinel = {p.sentinel: p for p in self._processes}
+        while not self._closing.is_set():
+            ready = connection.wait(list(by_sentinel), timeout=1.0)
+            if not ready or self._closing.is_set():
+                continue
+            process = by_sentinel[ready[0]]  # type: ignore[index]
+            cause = ChildProcessError(
+                f"engine process {process.name} (pid {process.pid}) exited "
+                f"with code {process.exitcode}"
+            )
+            self.die(cause)
+            self._unblock(cause)
+            return
+
+    def _unblock(self, cause: BaseException) -> None:
+        # The one exception to "only the worker touches the engine": a put on the
+        # thread-safe queue that a blocked get_output() waits on, so step() raises.
+        engine = self._engine
+        queue = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(cause)
+
+
+def _fail_future(reply: Reply) -> Callable[[BaseException], None]:
+    def fail(error: BaseException) -> None:
+        if not reply.future.done():
+            reply.future.set_exception(error)
+
+    return fail
+
+
+def _fail_waiting(
+    waiting: list[tuple[asyncio.AbstractEventLoop, Callable[[BaseException], None]]],
+    error: BaseException,
+) -> None:
+    outbox = Outbox()
+    for loop, fail in waiting:
+        outbox.post(loop, fail, error)
+    outbox.flush()
+
+
+def _abort_outputs(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
+    """Make the final "abort" outputs that vLLM makes for AsyncLLM but not for LLMEngine.
+
+    They come from vLLM's own ``RequestState.make_request_output``, so they
+    follow the request's output kind and ``n`` exactly as a finished output would.
+    """
+    processor = engine.output_processor
+    outputs = []
+    for internal_id in list(processor.external_req_ids.get(request_id, ())):
+        state = processor.request_states.get(internal_id)
+        if state is None:
+            continue
+        out = state.make_request_output(
+            new_token_ids=[],
+            pooling_output=None,
+            finish_reason=FinishReason.ABORT,
+            stop_reason=None,
+        )
+        if out is not None:
+            outputs.append(out)
+    return outputs
+
+
+def _engine_processes(engine: LLMEngine) -> list[BaseProcess]:
+    """The engine-core processes of a multiprocess-mode engine (none in-process)."""
+    resources = getattr(engine.engine_core, "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    return list(getattr(manager, "processes", ()))
