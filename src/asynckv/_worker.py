@@ -14,6 +14,7 @@ process dies) and ``close`` (called by the thread that closes the engine).
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -365,9 +366,9 @@ class Worker:
             if not ready or self._closing.is_set():
                 continue
             process = by_sentinel[ready[0]]  # type: ignore[index]
+            process.join(1.0)  # the sentinel fires before the exit code is reaped
             cause = ChildProcessError(
-                f"engine process {process.name} (pid {process.pid}) exited "
-                f"with code {process.exitcode}"
+                f"engine process {process.name} (pid {process.pid}) {_exit_status(process.exitcode)}"
             )
             self.die(cause)
             self._unblock(cause)
@@ -380,6 +381,17 @@ class Worker:
         queue = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
         if queue is not None:
             queue.put_nowait(cause)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
 
 
 def _fail_future(reply: Reply) -> Callable[[BaseException], None]:
