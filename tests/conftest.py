@@ -7,7 +7,6 @@ serves any loop.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
+
 from asynckv import AsyncEngine
 from asynckv.testing import tiny_model
 from support import engine_args, start_engine

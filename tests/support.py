@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
-from vllm import EngineArgs
+from vllm import EngineArgs, SamplingParams
+from vllm.outputs import CompletionOutput, RequestOutput
 
 from asynckv import AsyncEngine
 
@@ -20,7 +23,7 @@ def engine_args(model: Path, **overrides: object) -> EngineArgs:
         "disable_log_stats": True,
     }
     settings.update(overrides)
-    return EngineArgs(**settings)  # type: ignore[arg-type]
+    return EngineArgs(**settings)
 
 
 def start_engine(args: EngineArgs) -> AsyncEngine:
@@ -33,3 +36,77 @@ async def unfinished(engine: AsyncEngine) -> int:
     """How many requests the LLMEngine still holds, asked between two steps."""
     count: int = await engine.run_on_engine(lambda e: e.get_num_unfinished_requests())
     return count
+
+
+class FakeEngine:
+    """Stands in for ``LLMEngine`` where a real engine can't misbehave on demand.
+
+    Each request gets one token per step. A step waits for ``gate`` (set by
+    default), so a test can hold the worker inside ``step()``; ``fail_with``
+    makes the next step raise. ``step_entered`` is set whenever a step begins.
+    """
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.step_entered = threading.Event()
+        self.fail_with: BaseException | None = None
+        self.tokens: dict[str, list[int]] = {}
+        self.limits: dict[str, int] = {}
+        self.log: list[str] = []
+        self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})
+        self.engine_core = SimpleNamespace(shutdown=self._shutdown)
+        self.shut_down = threading.Event()
+
+    def _shutdown(self) -> None:
+        self.shut_down.set()
+
+    def add_request(
+        self, request_id: str, prompt: object, params: SamplingParams, **_: object
+    ) -> None:
+        self.log.append(f"add {request_id}")
+        self.tokens[request_id] = []
+        self.limits[request_id] = params.max_tokens or 16
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.log.append(f"abort {rid}")
+            self.tokens.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.tokens)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.tokens)
+
+    def step(self) -> list[RequestOutput]:
+        self.step_entered.set()
+        self.gate.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.log.append("step")
+        outputs = []
+        for rid, tokens in list(self.tokens.items()):
+            tokens.append(len(tokens))
+            done = len(tokens) >= self.limits[rid]
+            completion = CompletionOutput(
+                index=0,
+                text="",
+                token_ids=list(tokens),
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason="length" if done else None,
+            )
+            outputs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt=None,
+                    prompt_token_ids=[1],
+                    prompt_logprobs=None,
+                    outputs=[completion],
+                    finished=done,
+                )
+            )
+            if done:
+                del self.tokens[rid]
+        return outputs

@@ -10,10 +10,10 @@ import asyncio
 import gc
 
 import pytest
-from support import unfinished
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine
+from support import unfinished
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
@@ -91,7 +91,9 @@ async def test_aclose_aborts_and_waits(engine: AsyncEngine) -> None:
     await stream.aclose()
 
 
-async def test_garbage_collected_stream_aborts_with_warning(engine: AsyncEngine) -> None:
+async def test_garbage_collected_stream_aborts_with_warning(
+    engine: AsyncEngine,
+) -> None:
     """A stream dropped unfinished warns with ResourceWarning and aborts its request."""
     stream = engine.generate("Forget me", LONG)
     await engine.run_on_engine(lambda e: None)  # the request is in the engine now

@@ -6,12 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from support import unfinished
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
 
 from asynckv import AsyncEngine, RequestStream
+from support import unfinished
 
 OK = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

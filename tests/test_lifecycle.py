@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -10,10 +11,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import engine_args
 from vllm import EngineArgs, SamplingParams
 
-from asynckv import AsyncEngine, EngineClosedError, EngineDeadError, EngineNotStartedError
+from asynckv import (
+    AsyncEngine,
+    EngineClosedError,
+    EngineDeadError,
+    EngineNotStartedError,
+)
+from support import engine_args
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
@@ -30,7 +36,9 @@ def _worker_threads() -> int:
     return sum(t.name.startswith("asynckv-engine") for t in threading.enumerate())
 
 
-async def test_start_serves_loop_then_close_with_requests_in_flight(model_path: Path) -> None:
+async def test_start_serves_loop_then_close_with_requests_in_flight(
+    model_path: Path,
+) -> None:
     """The loop runs during start(); close ends every stream and command and leaves no process."""
     before, threads_before = _children(), _worker_threads()
     engine = AsyncEngine.from_engine_args(engine_args(model_path))
@@ -59,10 +67,8 @@ async def test_start_serves_loop_then_close_with_requests_in_flight(model_path: 
         with pytest.raises(EngineClosedError):
             await stream
     for command in pending:
-        try:
+        with contextlib.suppress(EngineClosedError):
             await command
-        except EngineClosedError:
-            pass
     assert all(c.done() for c in pending)
     assert not (_children() - before)
     assert _worker_threads() == threads_before  # joined

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
 import psutil
-from support import unfinished
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, RequestStream
+from support import unfinished
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -106,12 +107,10 @@ def test_idle_engine_uses_no_cpu(engine: AsyncEngine) -> None:
     me = psutil.Process()
 
     def cpu_seconds() -> float:
-        total = sum(me.cpu_times()[:2])
+        total = float(sum(me.cpu_times()[:2]))
         for child in me.children(recursive=True):
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 total += sum(child.cpu_times()[:2])
-            except psutil.NoSuchProcess:
-                pass
         return total
 
     # vLLM's executor worker spins on its shared-memory queue for 1 s after its

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from support import unfinished
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine
+from support import unfinished
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPT = "A robot may not injure a human being " * 6
@@ -45,7 +45,9 @@ async def test_reset_running_requests_keeps_greedy_tokens(engine: AsyncEngine) -
     assert await unfinished(engine) == 0
 
 
-async def test_paused_at_step_applies_commands_at_that_boundary(engine: AsyncEngine) -> None:
+async def test_paused_at_step_applies_commands_at_that_boundary(
+    engine: AsyncEngine,
+) -> None:
     """Inside ``paused(at_step=k)`` exactly k steps are done and commands apply there."""
     stream = engine.generate(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))
     target = engine.step_count + 4
@@ -76,7 +78,9 @@ async def test_pause_abort_mode(engine: AsyncEngine) -> None:
     await engine.pause_generation(mode="abort")
     assert await engine.is_paused()
     assert (await running).outputs[0].finish_reason == "abort"
-    waiting = engine.generate("submitted while paused", SamplingParams(max_tokens=4, ignore_eos=True))
+    waiting = engine.generate(
+        "submitted while paused", SamplingParams(max_tokens=4, ignore_eos=True)
+    )
     assert await unfinished(engine) == 0  # parked, not admitted
     await engine.resume_generation()
     assert not await engine.is_paused()
@@ -90,7 +94,9 @@ async def test_pause_wait_mode(engine: AsyncEngine) -> None:
     await engine.pause_generation(mode="wait")
     assert running.finished
     assert (await running).outputs[0].finish_reason == "length"
-    waiting = engine.generate("submitted while paused", SamplingParams(max_tokens=4, ignore_eos=True))
+    waiting = engine.generate(
+        "submitted while paused", SamplingParams(max_tokens=4, ignore_eos=True)
+    )
     assert await unfinished(engine) == 0
     await engine.resume_generation()
     assert len((await waiting).outputs[0].token_ids) == 4

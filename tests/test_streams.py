@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from support import unfinished
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine
+from support import unfinished
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -80,7 +80,14 @@ async def test_default_sampling_params(engine: AsyncEngine) -> None:
 async def test_n2_merged_in_every_output_kind(engine: AsyncEngine) -> None:
     """n=2 gives both completions, ordered by index, whatever the output kind."""
     for kind in RequestOutputKind:
-        params = SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=1, ignore_eos=True, output_kind=kind)
+        params = SamplingParams(
+            n=2,
+            max_tokens=6,
+            temperature=0.8,
+            seed=1,
+            ignore_eos=True,
+            output_kind=kind,
+        )
         out = await engine.generate("Once upon a time", params)
         assert out.finished
         assert [c.index for c in out.outputs] == [0, 1], kind
@@ -98,7 +105,9 @@ async def test_n2_cumulative_iteration_shows_both_children(engine: AsyncEngine) 
 
 async def _finish_behind(engine: AsyncEngine, kind: RequestOutputKind) -> list[object]:
     """Let a 20-token stream finish unread (a 40-token one started after it finishes later)."""
-    slow = engine.generate("A slow reader", SamplingParams(max_tokens=20, output_kind=kind, **GREEDY))
+    slow = engine.generate(
+        "A slow reader", SamplingParams(max_tokens=20, output_kind=kind, **GREEDY)
+    )
     await engine.generate("A longer one", SamplingParams(max_tokens=40, **GREEDY))
     assert slow.finished
     return [out async for out in slow]

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from ._engine import AsyncEngine
-from ._errors import AsyncKVError, EngineClosedError, EngineDeadError, EngineNotStartedError
+from ._errors import (
+    AsyncKVError,
+    EngineClosedError,
+    EngineDeadError,
+    EngineNotStartedError,
+)
 from ._stream import RequestStream
 
 __all__ = (

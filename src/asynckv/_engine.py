@@ -158,7 +158,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         params = SamplingParams() if sampling_params is None else sampling_params
         rid = uuid.uuid4().hex if request_id is None else request_id
-        sink = _Sink(loop, params.output_kind, params.n)
+        sink = _Sink(loop, rid, params.output_kind, params.n)
         self._submit(Add(rid, prompt, params, kwargs, sink))
         return RequestStream(rid, sink, self._abort_soon)
 
@@ -178,9 +178,7 @@ class AsyncEngine:
 
     # -- between two steps ---------------------------------------------------------
 
-    async def run_on_engine(
-        self, fn: Callable[..., R], *args: Any, **kwargs: Any
-    ) -> R:
+    async def run_on_engine(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """Run ``fn(llm_engine, *args, **kwargs)`` on the worker between two steps.
 
         Returns its result; its exception is raised here and the engine keeps
@@ -229,7 +227,9 @@ class AsyncEngine:
             with contextlib.suppress(EngineClosedError, EngineDeadError):
                 self._worker.inbox.put(Release(hold.token))
 
-    async def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+    async def pause_generation(
+        self, *, mode: PauseMode = "abort", clear_cache: bool = True
+    ) -> None:
         """Pause generation, as ``AsyncLLM.pause_generation`` does.
 
         Requests submitted while paused wait and are admitted, in order, on

@@ -5,7 +5,12 @@ Runs on any thread: these are plain exception classes.
 
 from __future__ import annotations
 
-__all__ = ("AsyncKVError", "EngineClosedError", "EngineDeadError", "EngineNotStartedError")
+__all__ = (
+    "AsyncKVError",
+    "EngineClosedError",
+    "EngineDeadError",
+    "EngineNotStartedError",
+)
 
 
 class AsyncKVError(Exception):
@@ -47,5 +52,7 @@ class EngineDeadError(AsyncKVError):
     def __init__(self, cause: BaseException) -> None:
         detail = str(cause)
         name = type(cause).__name__
-        super().__init__(f"the engine died: {name}: {detail}" if detail else f"the engine died: {name}")
+        super().__init__(
+            f"the engine died: {name}: {detail}" if detail else f"the engine died: {name}"
+        )
         self.__cause__ = cause

@@ -12,12 +12,9 @@ import asyncio
 import copy
 import warnings
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING
 
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
-
-if TYPE_CHECKING:
-    from vllm.outputs import CompletionOutput, RequestOutput
 
 __all__ = ("RequestStream",)
 
@@ -32,13 +29,32 @@ class _Sink:
     one child per output.
     """
 
-    __slots__ = ("_error", "_latest", "_pending", "_waiter", "finished", "kind", "loop", "n")
+    __slots__ = (
+        "_error",
+        "_last",
+        "_latest",
+        "_pending",
+        "_waiter",
+        "finished",
+        "kind",
+        "loop",
+        "n",
+        "request_id",
+    )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, kind: RequestOutputKind, n: int) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request_id: str,
+        kind: RequestOutputKind,
+        n: int,
+    ) -> None:
         self.loop = loop
+        self.request_id = request_id
         self.kind = kind
         self.n = n
         self.finished = False  # the final output or an error has been received
+        self._last: RequestOutput | None = None
         self._pending: RequestOutput | None = None
         self._latest: dict[int, CompletionOutput] = {}
         self._error: BaseException | None = None
@@ -62,9 +78,40 @@ class _Sink:
             self._pending = merged
         else:
             self._pending = out
+        self._last = out if self.kind is RequestOutputKind.DELTA else self._pending
         if out.finished:
             self.finished = True
         self._wake()
+
+    def abort(self) -> None:
+        """End the stream with a final "abort" output, if the engine gave none.
+
+        The engine's own abort output is preferred (it is exact); this is the
+        fallback that keeps the promise that every request ends.
+        """
+        if self.finished:
+            return
+        delta = self.kind is RequestOutputKind.DELTA
+        last = self._last
+        if last is None:
+            final = RequestOutput(
+                request_id=self.request_id,
+                prompt=None,
+                prompt_token_ids=None,
+                prompt_logprobs=None,
+                outputs=[CompletionOutput(i, "", [], None, None) for i in range(self.n)],
+                finished=True,
+            )
+        else:
+            final = copy.copy(last)
+            final.finished = True
+            final.outputs = [copy.copy(c) for c in last.outputs]
+        for completion in final.outputs:
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+            if delta:
+                completion.text, completion.token_ids = "", []
+        self.push(final)
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (on the loop, scheduled by the worker)."""
@@ -104,7 +151,7 @@ class _Sink:
 
 
 def _index(completion: CompletionOutput) -> int:
-    return completion.index
+    return int(completion.index)
 
 
 class RequestStream:

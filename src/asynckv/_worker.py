@@ -53,6 +53,8 @@ from ._inbox import Inbox
 __all__ = ("Worker",)
 
 T = TypeVar("T")
+# What still waits for an answer: the loop to answer on and how to fail it there.
+_Waiting = list[tuple["asyncio.AbstractEventLoop", Callable[[BaseException], None]]]
 
 
 @dataclass(eq=False, slots=True)
@@ -135,13 +137,14 @@ class Worker:
         fail_all(leftovers, error)
         _fail_waiting(waiting, error)
 
-    def _take_waiting(self) -> list[tuple[asyncio.AbstractEventLoop, Callable[[BaseException], None]]]:
+    def _take_waiting(self) -> _Waiting:
         # Called with the lock held: everything that still waits for an answer.
-        waiting = [(r.loop, r.sink.fail) for r in self._routes.values()]
+        waiting: _Waiting = [(r.loop, r.sink.fail) for r in self._routes.values()]
         waiting += [(a.sink.loop, a.sink.fail) for a in self._parked]
         waiting += [(h.reply.loop, _fail_future(h.reply)) for h in self._pending_holds]
         waiting += [(r.loop, _fail_future(r)) for r, _ in self._drain_waiters]
-        self._routes, self._parked, self._pending_holds, self._drain_waiters = {}, [], [], []
+        self._routes, self._parked = {}, []
+        self._pending_holds, self._drain_waiters = [], []
         return waiting
 
     # -- the thread ----------------------------------------------------------------
@@ -238,7 +241,9 @@ class Worker:
         elif isinstance(command, Release):
             self._holds.discard(command.token)
             with self._lock:
-                self._pending_holds = [h for h in self._pending_holds if h.token is not command.token]
+                self._pending_holds = [
+                    h for h in self._pending_holds if h.token is not command.token
+                ]
         elif isinstance(command, Pause):
             self._pause(engine, command, outbox)
         elif isinstance(command, Resume):
@@ -266,8 +271,8 @@ class Worker:
         if request_id in self._routes:
             # vLLM can't tell two live requests with one id apart: aborting one
             # would abort both.
-            error = ValueError(f"request id {request_id!r} is already in flight")
-            outbox.post(command.sink.loop, command.sink.fail, error)
+            duplicate = ValueError(f"request id {request_id!r} is already in flight")
+            outbox.post(command.sink.loop, command.sink.fail, duplicate)
             return
         try:
             engine.add_request(request_id, command.prompt, command.params, **command.kwargs)
@@ -295,6 +300,8 @@ class Worker:
             return  # unknown or finished: a no-op
         for out in _abort_outputs(engine, request_id):
             outbox.post(route.loop, route.sink.push, out)
+        # Runs after the pushes; a no-op if one of them was final.
+        outbox.post(route.loop, route.sink.abort)
         engine.abort_request([request_id])
 
     def _hold(self, hold: Hold, outbox: Outbox) -> None:
@@ -305,7 +312,13 @@ class Worker:
             error = ValueError(f"step {hold.at_step} has passed: {self.step_count} steps are done")
             hold.reply.fail(outbox, error)
         else:
-            self._enlist(self._pending_holds, hold, hold.reply.loop, _fail_future(hold.reply), outbox)
+            self._enlist(
+                self._pending_holds,
+                hold,
+                hold.reply.loop,
+                _fail_future(hold.reply),
+                outbox,
+            )
 
     def _pause(self, engine: LLMEngine, pause: Pause, outbox: Outbox) -> None:
         self.admission_paused = True
@@ -319,7 +332,13 @@ class Worker:
             pause.reply.ok(outbox)
             return
         waiter = (pause.reply, pause.clear_cache)
-        self._enlist(self._drain_waiters, waiter, pause.reply.loop, _fail_future(pause.reply), outbox)
+        self._enlist(
+            self._drain_waiters,
+            waiter,
+            pause.reply.loop,
+            _fail_future(pause.reply),
+            outbox,
+        )
         if not engine.has_unfinished_requests():
             self._finish_drain(engine, outbox)
 
@@ -367,9 +386,8 @@ class Worker:
                 continue
             process = by_sentinel[ready[0]]  # type: ignore[index]
             process.join(1.0)  # the sentinel fires before the exit code is reaped
-            cause = ChildProcessError(
-                f"engine process {process.name} (pid {process.pid}) {_exit_status(process.exitcode)}"
-            )
+            status = _exit_status(process.exitcode)
+            cause = ChildProcessError(f"engine process {process.name} (pid {process.pid}) {status}")
             self.die(cause)
             self._unblock(cause)
             return
@@ -402,10 +420,7 @@ def _fail_future(reply: Reply) -> Callable[[BaseException], None]:
     return fail
 
 
-def _fail_waiting(
-    waiting: list[tuple[asyncio.AbstractEventLoop, Callable[[BaseException], None]]],
-    error: BaseException,
-) -> None:
+def _fail_waiting(waiting: _Waiting, error: BaseException) -> None:
     outbox = Outbox()
     for loop, fail in waiting:
         outbox.post(loop, fail, error)
