@@ -110,3 +110,16 @@ async def test_stream_on_another_loop_is_refused(engine: AsyncEngine) -> None:
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
     assert "another event loop" in str(errors[0])
     assert (await stream).finished
+
+
+async def test_asyncllm_pass_throughs(engine: AsyncEngine) -> None:
+    """AsyncLLM's pass-throughs answer from the worker thread between steps."""
+    tokenizer = await engine.get_tokenizer()
+    assert tokenizer.encode("To be or not to be,")
+    assert await engine.is_sleeping() is False
+    await engine.check_health()
+    assert not engine.errored
+    with pytest.raises(Exception, match="LoRA is not enabled"):
+        await engine.add_lora(LoRARequest("nope", 1, "/no/such/lora"))
+    assert await engine.collective_rpc("check_health") == [None]
+    await _serves_normally(engine)
