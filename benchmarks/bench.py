@@ -1,0 +1,402 @@
+"""Benchmark asynckv against the raw LLMEngine loop and vLLM's AsyncLLM.
+
+One invocation builds one engine per driver from the same EngineArgs, then
+sends the same workload through each, repetitions interleaved (raw, AsyncLLM,
+asynckv, raw, ...), and reports medians: output tokens/s, TTFT, inter-token
+latency, event-loop lag, main-process CPU per 1,000 output tokens and RSS growth during the run.
+It writes a JSON file and a PNG plot and prints the ratios asynckv / raw and
+asynckv / AsyncLLM.
+
+    python benchmarks/bench.py                      # the full run
+    python benchmarks/bench.py --concurrency 1 --reps 1 --output-len 8   # a smoke run
+
+Every driver does identical engine work: token-id prompts (fixed seed, 32-128
+tokens), greedy, ``ignore_eos``, a fixed output length. Figures on a shared
+machine are noisy: compare the ratios of one run, never absolute figures
+across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import itertools
+
+import psutil
+from vllm import EngineArgs, LLMEngine, SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from asynckv import AsyncEngine
+from asynckv.testing import tiny_model
+
+DRIVERS = ("raw", "asyncllm", "asynckv")
+
+
+@dataclass
+class Run:
+    """What one repetition of one driver at one concurrency measured."""
+
+    driver: str
+    concurrency: int
+    seconds: float
+    output_tokens: int
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    lag: list[float] = field(default_factory=list)
+    cpu_seconds: float = 0.0
+    rss_growth: int = 0
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
+def make_workload(n: int, output_len: int, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(32, 128))] for _ in range(n)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    return Workload(prompts, params)
+
+
+class RssSampler:
+    """Samples this process's RSS on a thread until stopped; keeps the growth.
+
+    All drivers share one process, so the peak above the RSS at the start of
+    a run is what that run added.
+    """
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._process = psutil.Process()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __enter__(self) -> RssSampler:
+        self.start = self.peak = self._process.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def measure_lag(stop: asyncio.Event, lags: list[float]) -> None:
+    """Sleep 1 ms in a loop and record how late each wake-up is."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        before = loop.time()
+        await asyncio.sleep(0.001)
+        lags.append(max(0.0, loop.time() - before - 0.001))
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+# -- the drivers ---------------------------------------------------------------------
+
+
+def run_raw(engine: LLMEngine, work: Workload, concurrency: int) -> Run:
+    """The sync loop: add every request, step until done. The floor for any wrapper."""
+    ids = [uuid.uuid4().hex for _ in range(concurrency)]
+    arrivals: dict[str, float] = {}
+    stamps: dict[str, list[float]] = {rid: [] for rid in ids}
+    tokens = 0
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    with RssSampler() as rss:
+        for rid, prompt in zip(ids, work.prompts, strict=False):
+            arrivals[rid] = time.perf_counter()
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), work.params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                stamps[out.request_id].append(now)
+                if out.finished:
+                    tokens += len(out.outputs[0].token_ids)
+    run = Run("raw", concurrency, time.perf_counter() - t0, tokens)
+    run.cpu_seconds = time.process_time() - cpu0
+    run.rss_growth = rss.peak - rss.start
+    for rid in ids:
+        run.ttft.append(stamps[rid][0] - arrivals[rid])
+        run.itl.extend(gaps(stamps[rid]))
+    return run
+
+
+async def _drive(
+    name: str,
+    concurrency: int,
+    work: Workload,
+    submit: Callable[[str, list[int], SamplingParams], Any],
+    per_output: Callable[[], Awaitable[None]] | None = None,
+) -> Run:
+    """Run one task per request consuming its stream; measure everything."""
+    stop = asyncio.Event()
+    run = Run(name, concurrency, 0.0, 0)
+    lag_task = asyncio.create_task(measure_lag(stop, run.lag))
+    await asyncio.sleep(0.005)  # let the lag probe settle
+
+    async def one(prompt: list[int]) -> int:
+        arrival = time.perf_counter()
+        stamps: list[float] = []
+        tokens = 0
+        async for out in submit(uuid.uuid4().hex, prompt, work.params):
+            stamps.append(time.perf_counter())
+            if work.params.output_kind is RequestOutputKind.DELTA:
+                tokens += len(out.outputs[0].token_ids)
+            else:
+                tokens = len(out.outputs[0].token_ids)
+            if per_output is not None:
+                await per_output()
+        run.ttft.append(stamps[0] - arrival)
+        run.itl.extend(gaps(stamps))
+        return tokens
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    with RssSampler() as rss:
+        counts = await asyncio.gather(*(one(p) for p in work.prompts[:concurrency]))
+    run.seconds = time.perf_counter() - t0
+    run.cpu_seconds = time.process_time() - cpu0
+    run.rss_growth = rss.peak - rss.start
+    run.output_tokens = sum(counts)
+    stop.set()
+    await lag_task
+    return run
+
+
+async def run_asyncllm(
+    llm: AsyncLLM, work: Workload, concurrency: int, per_output: Any = None
+) -> Run:
+    def submit(rid: str, prompt: list[int], params: SamplingParams) -> Any:
+        return llm.generate(TokensPrompt(prompt_token_ids=prompt), params, rid)
+
+    return await _drive("asyncllm", concurrency, work, submit, per_output)
+
+
+async def run_asynckv(
+    engine: AsyncEngine, work: Workload, concurrency: int, per_output: Any = None
+) -> Run:
+    def submit(rid: str, prompt: list[int], params: SamplingParams) -> Any:
+        return engine.generate(TokensPrompt(prompt_token_ids=prompt), params, rid)
+
+    return await _drive("asynckv", concurrency, work, submit, per_output)
+
+
+# -- summaries -------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def summarise(run: Run) -> dict[str, float]:
+    return {
+        "tok_per_s": run.output_tokens / run.seconds,
+        "ttft_p50_ms": pct(run.ttft, 50) * 1e3,
+        "ttft_p99_ms": pct(run.ttft, 99) * 1e3,
+        "itl_p50_ms": pct(run.itl, 50) * 1e3,
+        "itl_p99_ms": pct(run.itl, 99) * 1e3,
+        "lag_p50_ms": pct(run.lag, 50) * 1e3,
+        "lag_p99_ms": pct(run.lag, 99) * 1e3,
+        "lag_max_ms": max(run.lag) * 1e3 if run.lag else float("nan"),
+        "cpu_s_per_1k_tok": run.cpu_seconds / run.output_tokens * 1e3,
+        "rss_growth_mib": run.rss_growth / 2**20,
+        "output_tokens": float(run.output_tokens),
+    }
+
+
+def medians(runs: list[Run]) -> dict[str, float]:
+    rows = [summarise(r) for r in runs]
+    return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+
+
+# -- main ------------------------------------------------------------------------------
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    model = args.model or str(tiny_model())
+    settings: dict[str, Any] = {
+        "model": model,
+        "max_model_len": 512,
+        "seed": 0,
+        "disable_log_stats": True,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    print(f"building engines for {model} ...", file=sys.stderr)
+    raw = LLMEngine.from_engine_args(EngineArgs(**settings))
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
+    kv = AsyncEngine.from_engine_args(EngineArgs(**settings))
+    await kv.start()
+    vocab = raw.model_config.get_vocab_size()
+    work = make_workload(max(args.concurrency), args.output_len, vocab, seed=0)
+
+    results: dict[str, Any] = {"settings": vars(args) | {"model": model}, "main": {}}
+    try:
+        # Warm every engine (first steps compile and allocate) before measuring.
+        run_raw(raw, work, 4)
+        await run_asyncllm(llm, work, 4)
+        await run_asynckv(kv, work, 4)
+        for n in args.concurrency:
+            runs: dict[str, list[Run]] = {d: [] for d in DRIVERS}
+            for rep in range(args.reps):
+                runs["raw"].append(run_raw(raw, work, n))
+                runs["asyncllm"].append(await run_asyncllm(llm, work, n))
+                runs["asynckv"].append(await run_asynckv(kv, work, n))
+                print(f"  c={n} rep={rep + 1}/{args.reps} done", file=sys.stderr)
+            results["main"][str(n)] = {d: medians(r) for d, r in runs.items()}
+            for d in DRIVERS:
+                if d == "raw":
+                    results["main"][str(n)][d].update(
+                        {"lag_p50_ms": None, "lag_p99_ms": None, "lag_max_ms": None}
+                    )
+        results["consumers"] = await consumer_workloads(llm, kv, work, args)
+    finally:
+        await kv.aclose()
+        llm.shutdown()
+        raw.engine_core.shutdown()
+    return results
+
+
+async def consumer_workloads(
+    llm: AsyncLLM, kv: AsyncEngine, work: Workload, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Streaming consumers that work ~50 us per output, and slow DELTA consumers."""
+    n = min(64, max(args.concurrency))
+    out: dict[str, Any] = {}
+
+    async def busy() -> None:
+        end = time.perf_counter() + 50e-6
+        while time.perf_counter() < end:
+            pass
+
+    out["busy_50us"] = {
+        "asyncllm": summarise(await run_asyncllm(llm, work, n, busy)),
+        "asynckv": summarise(await run_asynckv(kv, work, n, busy)),
+    }
+
+    async def slow() -> None:
+        await asyncio.sleep(0.02)
+
+    delta = Workload(
+        work.prompts,
+        SamplingParams(
+            temperature=0.0,
+            ignore_eos=True,
+            max_tokens=work.params.max_tokens,
+            output_kind=RequestOutputKind.DELTA,
+        ),
+    )
+    expected = n * (work.params.max_tokens or 0)
+    slow_results = {}
+    drivers: list[tuple[str, Callable[[], Awaitable[Run]]]] = [
+        ("asyncllm", lambda: run_asyncllm(llm, delta, n, slow)),
+        ("asynckv", lambda: run_asynckv(kv, delta, n, slow)),
+    ]
+    for name, again in drivers:
+        first, second = await again(), await again()
+        slow_results[name] = {
+            "tokens_expected": expected,
+            "tokens_received": [first.output_tokens, second.output_tokens],
+            "no_output_lost": first.output_tokens == second.output_tokens == expected,
+            "rss_growth_mib": [first.rss_growth / 2**20, second.rss_growth / 2**20],
+            "outputs_received": [len(first.itl) + n, len(second.itl) + n],
+        }
+    out["slow_delta_20ms"] = slow_results
+    return out
+
+
+def ratio_table(results: dict[str, Any]) -> str:
+    lines = [
+        f"{'streams':>7} | {'kv/raw tok/s':>12} {'kv/async tok/s':>14} | "
+        f"{'TTFT50 raw/async/kv ms':>24} | {'lag p99 async/kv ms':>20} | "
+        f"{'CPU/1k raw/async/kv s':>22}"
+    ]
+    for n, row in results["main"].items():
+        raw, al, kv = row["raw"], row["asyncllm"], row["asynckv"]
+        lines.append(
+            f"{n:>7} | {kv['tok_per_s'] / raw['tok_per_s']:>12.3f} "
+            f"{kv['tok_per_s'] / al['tok_per_s']:>14.3f} | "
+            f"{raw['ttft_p50_ms']:>7.1f}/{al['ttft_p50_ms']:>6.1f}/{kv['ttft_p50_ms']:>6.1f}"
+            f"{'':>3} | {al['lag_p99_ms']:>9.2f}/{kv['lag_p99_ms']:>6.2f}{'':>4} | "
+            f"{raw['cpu_s_per_1k_tok']:>6.3f}/{al['cpu_s_per_1k_tok']:>6.3f}/"
+            f"{kv['cpu_s_per_1k_tok']:>6.3f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [int(n) for n in results["main"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for d in DRIVERS:
+        left.plot(ns, [results["main"][str(n)][d]["tok_per_s"] for n in ns], "o-", label=d)
+        if d != "raw":
+            right.plot(ns, [results["main"][str(n)][d]["lag_p99_ms"] for n in ns], "o-", label=d)
+    for ax, title, unit in (
+        (left, "throughput", "output tokens/s"),
+        (right, "event-loop lag p99", "ms"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint (default: the tiny model)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    args = parser.parse_args()
+    results = asyncio.run(bench(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
+    json_path.write_text(json.dumps(results, indent=2, default=str))
+    plot(results, png_path)
+    print(ratio_table(results))
+    print(json.dumps(results["consumers"], indent=2))
+    print(f"wrote {json_path} and {png_path}")
+
+
+if __name__ == "__main__":
+    main()
