@@ -257,7 +257,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     kv = AsyncEngine.from_engine_args(EngineArgs(**settings))
     await kv.start()
     vocab = raw.model_config.get_vocab_size()
-    work = make_workload(max(args.concurrency), args.output_len, vocab, seed=0)
+    work = make_workload(max(*args.concurrency, 4), args.output_len, vocab, seed=0)
 
     results: dict[str, Any] = {"settings": vars(args) | {"model": model}, "main": {}}
     try:

@@ -1,0 +1,41 @@
+"""The benchmark runs end to end at its smallest size: it proves it works, not how fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_benchmark_smallest_size(tmp_path: Path) -> None:
+    """One repetition at one stream writes the JSON, the plot and the ratio table."""
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench.py"),
+            "--concurrency",
+            "1",
+            "--reps",
+            "1",
+            "--output-len",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert set(results["main"]["1"]) == {"raw", "asyncllm", "asynckv"}
+    assert all(row["output_tokens"] == 4 for row in results["main"]["1"].values())
+    assert results["consumers"]["slow_delta_20ms"]["asynckv"]["no_output_lost"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "kv/raw tok/s" in done.stdout
