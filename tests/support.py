@@ -20,7 +20,7 @@ def engine_args(model: Path, **overrides: object) -> EngineArgs:
         "max_model_len": 512,
         "max_num_seqs": 32,
         "seed": 0,
-        "disable_log_stats": True,
+        "disable_log_stats": False,  # vLLM's default: per-request engine timestamps
     }
     settings.update(overrides)
     return EngineArgs(**settings)
@@ -72,6 +72,10 @@ class FakeEngine:
         for rid in request_ids:
             self.log.append(f"abort {rid}")
             self.tokens.pop(rid, None)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, *_: object) -> bool:
+        self.log.append("reset")
+        return reset_running_requests or not self.tokens
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.tokens)

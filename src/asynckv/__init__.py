@@ -8,7 +8,11 @@ from ._errors import (
     EngineClosedError,
     EngineDeadError,
     EngineNotStartedError,
+    EngineStalledError,
 )
+from ._log import configure_logging
+from ._metrics import RequestMetrics
+from ._stats import EngineStats
 from ._stream import RequestStream
 
 __all__ = (
@@ -17,7 +21,11 @@ __all__ = (
     "EngineClosedError",
     "EngineDeadError",
     "EngineNotStartedError",
+    "EngineStalledError",
+    "EngineStats",
+    "RequestMetrics",
     "RequestStream",
+    "configure_logging",
 )
 
 for _name in __all__:

@@ -110,6 +110,8 @@ class Abort:
 
     request_ids: list[str]
     reply: Reply | None = None
+    why: str = "explicit"
+    """Why, for the log: explicit, cancelled, disconnected or paused."""
 
     def fail(self, outbox: Outbox, error: BaseException) -> None:
         if self.reply is not None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, get_args
@@ -18,7 +20,14 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, get_args
 from vllm.sampling_params import SamplingParams
 
 from ._commands import Abort, Add, Call, Hold, Pause, PauseMode, Release, Reply, Resume
-from ._errors import EngineClosedError, EngineDeadError, EngineNotStartedError
+from ._errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineNotStartedError,
+    EngineStalledError,
+)
+from ._log import emit
+from ._stats import EngineStats
 from ._stream import RequestStream, _Sink
 from ._worker import Worker
 
@@ -162,10 +171,10 @@ class AsyncEngine:
         self._submit(Add(rid, prompt, params, kwargs, sink))
         return RequestStream(rid, sink, self._abort_soon)
 
-    def _abort_soon(self, request_id: str) -> None:
+    def _abort_soon(self, request_id: str, why: str) -> None:
         # Called from streams abandoned by cancel, break or GC: never raise.
         with contextlib.suppress(Exception):
-            self._worker.inbox.put(Abort([request_id]))
+            self._worker.inbox.put(Abort([request_id], None, why))
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests and return once they are out of the engine.
@@ -196,10 +205,46 @@ class AsyncEngine:
         ``reset_running_requests`` is False. With it True, running requests are
         preempted and recomputed, and finish as they would have without the reset.
         """
-        result: bool = await self.run_on_engine(
-            lambda e: e.reset_prefix_cache(reset_running_requests, reset_connector)
-        )
+        worker = self._worker
+
+        def reset(engine: LLMEngine) -> bool:
+            # On the worker thread, between two steps.
+            in_flight = engine.get_num_unfinished_requests()
+            done = bool(engine.reset_prefix_cache(reset_running_requests, reset_connector))
+            emit(
+                logging.INFO if done else logging.WARNING,
+                "prefix cache reset",
+                result=done,
+                step=worker.step_count,
+                reset_running_requests=reset_running_requests,
+                requests_preempted=in_flight if done and reset_running_requests else 0,
+            )
+            return done
+
+        result: bool = await self.run_on_engine(reset)
         return result
+
+    def stats(self) -> EngineStats:
+        """Take a snapshot of the engine's counters, without waiting for the worker.
+
+        Safe from any thread; never blocks. See ``EngineStats`` for the fields.
+        """
+        w = self._worker
+        last = w.last_step_end
+        return EngineStats(
+            steps=w.step_count,
+            steps_per_second=1.0 / w.step_seconds_avg if w.step_seconds_avg else 0.0,
+            last_step_seconds=w.last_step_seconds,
+            seconds_since_last_step=None if last is None else time.perf_counter() - last,
+            requests_in_flight=w.in_flight,
+            requests_waiting=w.waiting,
+            paused=w.admission_paused or w.held,
+            commands_queued=len(w.inbox),
+            outputs_delivered=w.outputs_delivered,
+            requests_finished=w.requests_finished,
+            requests_aborted=w.requests_aborted,
+            loops_served=len(w.loops),
+        )
 
     @property
     def step_count(self) -> int:
@@ -294,11 +339,28 @@ class AsyncEngine:
         )
         return result
 
-    async def check_health(self) -> None:
-        """Raise ``EngineDeadError`` (or ``EngineClosedError``) unless the engine is usable."""
+    async def check_health(self, stall_timeout: float | None = None) -> None:
+        """Raise unless the engine is usable and, given ``stall_timeout``, making progress.
+
+        Never waits for the worker, so it answers even while a step hangs.
+
+        Raises:
+            EngineClosedError: the engine was closed.
+            EngineDeadError: the engine died.
+            EngineStalledError: requests are unfinished, nothing holds the engine
+                (``paused()``, a "keep" pause) and no step has completed for
+                longer than ``stall_timeout`` seconds.
+        """
         self._check_open()
-        if (error := self._worker.dead_error) is not None:
+        worker = self._worker
+        if (error := worker.dead_error) is not None:
             raise error
+        if stall_timeout is None or not worker.in_flight or worker.held:
+            return
+        last = max(worker.last_step_end or 0.0, worker.busy_since)
+        idle = time.perf_counter() - last
+        if idle > stall_timeout:
+            raise EngineStalledError(idle, worker.in_flight)
 
     @property
     def errored(self) -> bool:

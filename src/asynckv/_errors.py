@@ -10,6 +10,7 @@ __all__ = (
     "EngineClosedError",
     "EngineDeadError",
     "EngineNotStartedError",
+    "EngineStalledError",
 )
 
 
@@ -56,3 +57,17 @@ class EngineDeadError(AsyncKVError):
             f"the engine died: {name}: {detail}" if detail else f"the engine died: {name}"
         )
         self.__cause__ = cause
+
+
+class EngineStalledError(AsyncKVError):
+    """Raised by ``check_health(stall_timeout=...)`` when the engine stopped making progress.
+
+    That is: requests are unfinished, nothing holds the engine on purpose, and
+    no step has completed for longer than the timeout.
+    """
+
+    def __init__(self, seconds: float, in_flight: int) -> None:
+        super().__init__(
+            f"the engine is stalled: no step completed for {seconds:.1f} s "
+            f"with {in_flight} requests unfinished"
+        )

@@ -16,6 +16,8 @@ from collections.abc import Callable, Generator
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
+from ._metrics import RequestMetrics, Timeline
+
 __all__ = ("RequestStream",)
 
 
@@ -40,6 +42,7 @@ class _Sink:
         "loop",
         "n",
         "request_id",
+        "timeline",
     )
 
     def __init__(
@@ -59,6 +62,7 @@ class _Sink:
         self._latest: dict[int, CompletionOutput] = {}
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.timeline = Timeline(request_id)
 
     def push(self, out: RequestOutput) -> None:
         """Take one output from the engine (on the loop, scheduled by the worker)."""
@@ -79,9 +83,15 @@ class _Sink:
         else:
             self._pending = out
         self._last = out if self.kind is RequestOutputKind.DELTA else self._pending
+        self.timeline.output(out, self.kind)
         if out.finished:
             self.finished = True
+            self.timeline.finish(self._pending or out, self.kind)
         self._wake()
+
+    def aborting(self, why: str) -> None:
+        """Note why the request is being aborted (on the loop, before its final output)."""
+        self.timeline.abort_reason = why
 
     def abort(self) -> None:
         """End the stream with a final "abort" output, if the engine gave none.
@@ -119,6 +129,7 @@ class _Sink:
             return
         self.finished = True
         self._error = error
+        self.timeline.fail(error)
         self._wake()
 
     def _wake(self) -> None:
@@ -174,7 +185,7 @@ class RequestStream:
 
     __slots__ = ("__weakref__", "_abandoned", "_abort", "_final", "_sink", "request_id")
 
-    def __init__(self, request_id: str, sink: _Sink, abort: Callable[[str], None]) -> None:
+    def __init__(self, request_id: str, sink: _Sink, abort: Callable[[str, str], None]) -> None:
         self.request_id = request_id
         """The request's id in the engine, given or generated."""
         self._sink = sink
@@ -186,6 +197,11 @@ class RequestStream:
     def finished(self) -> bool:
         """Whether the engine is done with this request (final output or error received)."""
         return self._sink.finished
+
+    @property
+    def metrics(self) -> RequestMetrics | None:
+        """Timings and counts of the request, once its final output has arrived."""
+        return self._sink.timeline.metrics
 
     def _check_loop(self) -> None:
         if asyncio.get_running_loop() is not self._sink.loop:
@@ -202,16 +218,16 @@ class RequestStream:
             raise
         except BaseException:
             # Cancelled (or interrupted) while waiting: nobody wants the rest.
-            self._abandon()
+            self._abandon("cancelled")
             raise
         if out.finished:
             self._final = out
         return out
 
-    def _abandon(self) -> None:
+    def _abandon(self, why: str) -> None:
         if not self._sink.finished and not self._abandoned:
             self._abandoned = True
-            self._abort(self.request_id)
+            self._abort(self.request_id, why)
 
     def __aiter__(self) -> _StreamIterator:
         return _StreamIterator(self)
@@ -244,7 +260,7 @@ class RequestStream:
         Idempotent. Errors that end the stream (a dead engine, say) are not raised.
         """
         self._check_loop()
-        self._abandon()
+        self._abandon("disconnected")
         while not self._sink.exhausted:
             try:
                 await self._sink.next()
@@ -255,7 +271,7 @@ class RequestStream:
 
     def __del__(self) -> None:
         if not self._sink.finished and not self._abandoned:
-            self._abort(self.request_id)
+            self._abort(self.request_id, "disconnected")
             warnings.warn(
                 f"RequestStream {self.request_id!r} was garbage-collected unfinished; "
                 "its request was aborted",
@@ -283,7 +299,7 @@ class _StreamIterator:
         return await self._stream._next()
 
     def __del__(self) -> None:
-        self._stream._abandon()
+        self._stream._abandon("disconnected")
 
 
 def _copy_delta(out: RequestOutput) -> RequestOutput:

@@ -13,9 +13,13 @@ process dies) and ``close`` (called by the thread that closes the engine).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import signal
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection
@@ -40,7 +44,6 @@ from ._commands import (
 from ._errors import EngineClosedError, EngineDeadError
 
 if TYPE_CHECKING:
-    import asyncio
     from multiprocessing.process import BaseProcess
 
     from vllm import LLMEngine
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
     from ._stream import _Sink
 
 from ._inbox import Inbox
+from ._log import emit, enabled
 
 __all__ = ("Worker",)
 
@@ -73,6 +77,15 @@ class Worker:
         self.admission_paused = False
         """Whether ``Pause`` is in force; written by the worker only."""
         self.dead_error: EngineDeadError | None = None
+        # Counters for stats(): written by the worker only.
+        self.outputs_delivered = 0
+        self.requests_finished = 0
+        self.requests_aborted = 0
+        self.last_step_seconds = 0.0
+        self.step_seconds_avg = 0.0
+        self.last_step_end: float | None = None
+        self.busy_since = 0.0  # when the worker last went from no request to some
+        self.loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self._build = build
         self._engine: LLMEngine | None = None
         self._processes: list[BaseProcess] = []
@@ -95,6 +108,21 @@ class Worker:
         """Start the thread; it builds the engine, then answers ``reply``."""
         self._started = reply
         self._thread.start()
+
+    @property
+    def held(self) -> bool:
+        """Whether a ``paused()`` block or a "keep" pause stops the stepping."""
+        return bool(self._holds) or self._keep
+
+    @property
+    def waiting(self) -> int:
+        """Requests parked by ``Pause``, not yet admitted."""
+        return len(self._parked)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and unfinished."""
+        return len(self._routes)
 
     @property
     def started(self) -> bool:
@@ -122,6 +150,7 @@ class Worker:
                 with contextlib.suppress(Exception):
                     process.kill()
                     process.join(5)
+        emit(logging.INFO, "engine closed", steps=self.step_count)
 
     def die(self, cause: BaseException) -> None:
         """Declare the engine dead: end everything in flight with ``EngineDeadError``.
@@ -134,6 +163,7 @@ class Worker:
             error = self.dead_error = EngineDeadError(cause)
             leftovers = list(self.inbox.close(error))
             waiting = self._take_waiting()
+        emit(logging.ERROR, "engine dead", error=str(error), exc_info=cause)
         fail_all(leftovers, error)
         _fail_waiting(waiting, error)
 
@@ -151,6 +181,8 @@ class Worker:
 
     def _run(self) -> None:
         outbox = Outbox()
+        began = time.monotonic()
+        emit(logging.INFO, "engine starting")
         try:
             engine = self._engine = self._build()
         except BaseException as exc:
@@ -162,6 +194,13 @@ class Worker:
         self._processes = _engine_processes(engine)
         if self._processes:
             threading.Thread(target=self._watch, name="asynckv-watchdog", daemon=True).start()
+        emit(
+            logging.INFO,
+            "engine started",
+            model=getattr(getattr(engine, "model_config", None), "model", None),
+            mode="multiprocess" if self._processes else "in-process",
+            seconds=round(time.monotonic() - began, 3),
+        )
         if self._started is not None:
             self._started.ok(outbox)
         outbox.flush()
@@ -179,29 +218,53 @@ class Worker:
         while not inbox.closed:
             commands = inbox.take(block=not self._may_step(engine))
             outbox = Outbox()
-            for command in commands:
-                self._apply(engine, command, outbox)
+            while commands:
+                command = commands.popleft()
+                try:
+                    self._apply(engine, command, outbox)
+                except BaseException as exc:
+                    # The engine broke mid-command: die() can't see this batch.
+                    self.die(exc)
+                    fail_all([command, *commands], self.dead_error or exc)
+                    outbox.flush()
+                    raise
             if self._may_step(engine) and not inbox.closed:
+                began = time.perf_counter()
                 outputs = engine.step()
-                self.step_count += 1
+                self._count_step(began)
                 self._dispatch(outputs, outbox)
                 self._after_step(engine, outbox)
             for loop in outbox.flush():
                 self._forget_loop(engine, loop)
+
+    def _count_step(self, began: float) -> None:
+        now = time.perf_counter()
+        took = self.last_step_seconds = now - began
+        # Interval between step ends, so the rate includes the worker's own overhead.
+        interval = took if self.last_step_end is None else now - self.last_step_end
+        avg = self.step_seconds_avg
+        self.step_seconds_avg = interval if avg == 0.0 else 0.9 * avg + 0.1 * interval
+        self.last_step_end = now
+        self.step_count += 1
 
     def _may_step(self, engine: LLMEngine) -> bool:
         return not self._holds and not self._keep and engine.has_unfinished_requests()
 
     def _dispatch(self, outputs: list[Any], outbox: Outbox) -> None:
         routes = self._routes
+        delivered = finished = 0
         with self._lock:
             for out in outputs:
                 route = routes.get(out.request_id)
                 if route is None:
                     continue  # aborted since, or not ours
                 outbox.post(route.loop, route.sink.push, out)
+                delivered += 1
                 if out.finished:
                     del routes[out.request_id]
+                    finished += 1
+        self.outputs_delivered += delivered
+        self.requests_finished += finished
 
     def _after_step(self, engine: LLMEngine, outbox: Outbox) -> None:
         if self._pending_holds:
@@ -224,7 +287,7 @@ class Worker:
                 self._admit(engine, command, outbox)
         elif isinstance(command, Abort):
             for request_id in command.request_ids:
-                self._abort(engine, request_id, outbox)
+                self._abort(engine, request_id, outbox, command.why)
             if command.reply is not None:
                 command.reply.ok(outbox)
         elif isinstance(command, Call):
@@ -283,11 +346,16 @@ class Worker:
             return
         with self._lock:
             if (error := self.inbox.error) is None:
+                if not self._routes:
+                    self.busy_since = time.perf_counter()
                 self._routes[request_id] = _Route(command.sink, command.sink.loop)
+                self.loops.add(command.sink.loop)
+        if error is None and enabled(logging.DEBUG):
+            emit(logging.DEBUG, "request added", request_id=request_id, step=self.step_count)
         if error is not None:  # closed or dead meanwhile: die()/close() can't see it
             outbox.post(command.sink.loop, command.sink.fail, error)
 
-    def _abort(self, engine: LLMEngine, request_id: str, outbox: Outbox) -> None:
+    def _abort(self, engine: LLMEngine, request_id: str, outbox: Outbox, why: str) -> None:
         parked = next((a for a in self._parked if a.request_id == request_id), None)
         if parked is not None:
             # Admitted and aborted at once, so that it ends like any aborted request.
@@ -298,16 +366,21 @@ class Worker:
             route = self._routes.pop(request_id, None)
         if route is None:
             return  # unknown or finished: a no-op
+        outbox.post(route.loop, route.sink.aborting, why)
         for out in _abort_outputs(engine, request_id):
             outbox.post(route.loop, route.sink.push, out)
+            self.outputs_delivered += 1
         # Runs after the pushes; a no-op if one of them was final.
         outbox.post(route.loop, route.sink.abort)
         engine.abort_request([request_id])
+        self.requests_aborted += 1
+        self.requests_finished += 1
 
     def _hold(self, hold: Hold, outbox: Outbox) -> None:
         if hold.at_step is None or hold.at_step == self.step_count:
             self._holds.add(hold.token)
             hold.reply.ok(outbox, self.step_count)
+            emit(logging.DEBUG, "engine held", step=self.step_count)
         elif hold.at_step < self.step_count:
             error = ValueError(f"step {hold.at_step} has passed: {self.step_count} steps are done")
             hold.reply.fail(outbox, error)
@@ -321,10 +394,11 @@ class Worker:
             )
 
     def _pause(self, engine: LLMEngine, pause: Pause, outbox: Outbox) -> None:
+        emit(logging.INFO, "generation paused", mode=pause.mode, step=self.step_count)
         self.admission_paused = True
         if pause.mode == "abort":
             for request_id in list(self._routes):
-                self._abort(engine, request_id, outbox)
+                self._abort(engine, request_id, outbox, "paused")
         elif pause.mode == "keep":
             self._keep = True
             if pause.clear_cache:
@@ -343,10 +417,10 @@ class Worker:
             self._finish_drain(engine, outbox)
 
     def _finish_drain(self, engine: LLMEngine, outbox: Outbox) -> None:
+        if any(clear for _, clear in self._drain_waiters):
+            engine.reset_prefix_cache()  # before taking them: die() answers them if it raises
         with self._lock:
             waiters, self._drain_waiters = self._drain_waiters, []
-        if any(clear for _, clear in waiters):
-            engine.reset_prefix_cache()
         for reply, _ in waiters:
             reply.ok(outbox)
 
@@ -358,6 +432,7 @@ class Worker:
             waiters, self._drain_waiters = self._drain_waiters, []
         for reply, _ in waiters:
             reply.ok(outbox)
+        emit(logging.INFO, "generation resumed", step=self.step_count, admitted=len(parked))
         for add in parked:
             self._admit(engine, add, outbox)
 
@@ -370,6 +445,7 @@ class Worker:
             self._parked = [a for a in self._parked if a.sink.loop is not loop]
         if ids:
             engine.abort_request(ids)
+            self.requests_aborted += len(ids)
 
     # -- the watchdog thread -------------------------------------------------------
 

@@ -1,0 +1,41 @@
+"""EngineStats: a snapshot of the worker's counters, read without asking the worker.
+
+The worker thread writes the counters; any thread reads them. Each field is
+one machine word read without a lock, so a snapshot is cheap and never blocks
+the loop, but its fields may come from two adjacent steps.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ("EngineStats",)
+
+
+class EngineStats(NamedTuple):
+    """What the engine has done and holds, as of the moment ``stats()`` was called."""
+
+    steps: int
+    """Engine steps completed."""
+    steps_per_second: float
+    """Recent step rate while stepping (an exponential average; 0.0 before any step)."""
+    last_step_seconds: float
+    """How long the last ``step()`` took."""
+    seconds_since_last_step: float | None
+    """Time since the last step completed (None before any step)."""
+    requests_in_flight: int
+    """Requests admitted to the engine and not finished."""
+    requests_waiting: int
+    """Requests submitted while ``pause_generation()`` is in force, not yet admitted."""
+    paused: bool
+    """Whether ``pause_generation()`` is in force or a ``paused()`` block holds the engine."""
+    commands_queued: int
+    """Commands in the inbox that the worker has not taken yet."""
+    outputs_delivered: int
+    """Outputs handed to streams, abort outputs included."""
+    requests_finished: int
+    """Requests that ended with a final output from the engine (aborted ones included)."""
+    requests_aborted: int
+    """Requests aborted in the engine (by cancel, break, aclose, GC, abort() or a closed loop)."""
+    loops_served: int
+    """Distinct event loops that have submitted requests."""

@@ -1,0 +1,168 @@
+"""Logs, per-request metrics, stats() and the progress-based health check."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+from vllm import SamplingParams
+
+from asynckv import AsyncEngine, EngineDeadError, EngineStalledError
+from support import FakeEngine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def logs() -> Iterator[list[MutableMapping[str, Any]]]:
+    """Capture structlog events; restore structlog's defaults afterwards."""
+    with capture_logs() as captured:
+        yield captured
+    structlog.reset_defaults()
+
+
+def events_of(logs: list[MutableMapping[str, Any]], request_id: str) -> list[str]:
+    return [e["event"] for e in logs if e.get("request_id") == request_id]
+
+
+async def test_finished_request_events_and_metrics(
+    engine: AsyncEngine, logs: list[MutableMapping[str, Any]]
+) -> None:
+    """A finished request logs added, first token, finished; its metrics add up."""
+    stream = engine.generate("Metrics, please", GREEDY)
+    out = await stream
+    assert events_of(logs, stream.request_id) == [
+        "request added",
+        "first token",
+        "request finished",
+    ]
+    (finished,) = [e for e in logs if e["event"] == "request finished"]
+    assert finished["output_tokens"] == 8
+    assert finished["finish_reason"] == "length"
+    assert finished["prompt_tokens"] == len(out.prompt_token_ids or [])
+    assert finished["log_level"] == "info"
+    m = stream.metrics
+    assert m is not None and m.output_tokens == 8 and m.preemptions == 0
+    assert m.ttft is not None and m.ttft >= 0
+    assert m.first_token is not None and m.last_token is not None
+    assert m.last_token >= m.first_token
+
+
+async def test_aborted_and_cancelled_request_events(
+    engine: AsyncEngine, logs: list[MutableMapping[str, Any]]
+) -> None:
+    """An explicit abort and a cancelled consumer log "request aborted" with why."""
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    explicit = engine.generate("abort me", long)
+    await engine.run_on_engine(lambda e: None)
+    await engine.abort(explicit.request_id)
+    await explicit
+
+    cancelled = engine.generate("cancel me", long)
+    got = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in cancelled:
+            got.set()
+
+    task = asyncio.create_task(consume())
+    await got.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await engine.run_on_engine(lambda e: None)
+    await asyncio.sleep(0)  # the abort output reaches the loop in the pass's batch
+
+    aborted = {e["request_id"]: e for e in logs if e["event"] == "request aborted"}
+    assert aborted[explicit.request_id]["why"] == "explicit"
+    assert aborted[cancelled.request_id]["why"] == "cancelled"
+
+
+async def test_reset_preempted_request_events(
+    engine: AsyncEngine, logs: list[MutableMapping[str, Any]]
+) -> None:
+    """A reset of running requests logs its result, step and preemptions; the request finishes."""
+    stream = engine.generate("preempt me " * 10, SamplingParams(max_tokens=30, ignore_eos=True))
+    async with engine.paused(at_step=engine.step_count + 3) as step:
+        assert await engine.reset_prefix_cache(reset_running_requests=True)
+    out = await stream
+    (reset,) = [e for e in logs if e["event"] == "prefix cache reset"]
+    assert reset["result"] is True and reset["step"] == step
+    assert reset["requests_preempted"] == 1
+    assert events_of(logs, stream.request_id)[-1] == "request finished"
+    assert len(out.outputs[0].token_ids) == 30
+    assert stream.metrics is not None and stream.metrics.preemptions == 1
+
+
+async def test_engine_dead_logged_once_with_traceback(logs: list[MutableMapping[str, Any]]) -> None:
+    """A dying engine logs one "engine dead" event carrying the original exception."""
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    streams = [engine.generate(f"r{i}", SamplingParams(max_tokens=1000)) for i in range(3)]
+    await engine.run_on_engine(lambda e: None)
+    fake.fail_with = RuntimeError("kaput")
+    for stream in streams:
+        with pytest.raises(EngineDeadError):
+            await stream
+    await engine.aclose()
+    dead = [e for e in logs if e["event"] == "engine dead"]
+    assert len(dead) == 1
+    assert isinstance(dead[0]["exc_info"], RuntimeError)
+    assert dead[0]["log_level"] == "error"
+    assert [e["event"] for e in logs][-1] == "engine closed"
+
+
+async def test_check_health_detects_a_stalled_engine() -> None:
+    """check_health(stall_timeout) raises EngineStalledError while a step hangs."""
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    await engine.check_health(stall_timeout=0.0)  # idle is not stalled
+    stream = engine.generate("hang", SamplingParams(max_tokens=1000))
+    await engine.run_on_engine(lambda e: None)
+    fake.gate.clear()
+    fake.step_entered.clear()
+    assert await asyncio.to_thread(fake.step_entered.wait, 10)
+    await engine.check_health(stall_timeout=3600)  # not stalled for that long
+    with pytest.raises(EngineStalledError, match="stalled"):
+        await engine.check_health(stall_timeout=0.0)
+    fake.gate.set()
+    await engine.abort(stream.request_id)
+    await engine.check_health(stall_timeout=0.0)  # nothing unfinished: not stalled
+    await engine.aclose()
+
+
+async def test_stats_count_a_scripted_workload() -> None:
+    """stats() counts exactly the steps, outputs, finishes and aborts of a script."""
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    assert engine.stats().steps == 0
+    a = engine.generate("a", SamplingParams(max_tokens=3))
+    b = engine.generate("b", SamplingParams(max_tokens=3))
+    await asyncio.gather(a, b)
+    stats = engine.stats()
+    assert (stats.steps, stats.outputs_delivered, stats.requests_finished) == (3, 6, 2)
+    assert stats.requests_in_flight == 0 and stats.requests_aborted == 0
+    assert stats.loops_served == 1 and stats.steps_per_second > 0
+
+    async with engine.paused():
+        c = engine.generate("c", SamplingParams(max_tokens=100))
+        await engine.run_on_engine(lambda e: None)
+        held = engine.stats()
+    assert held.paused and held.requests_in_flight == 1
+    await engine.abort(c.request_id)
+    await c
+    stats = engine.stats()
+    assert stats.requests_aborted == 1 and stats.requests_finished == 3
+    assert stats.requests_in_flight == 0 and stats.commands_queued == 0
+    await engine.pause_generation(mode="abort")
+    d = engine.generate("d", SamplingParams(max_tokens=2))
+    await engine.run_on_engine(lambda e: None)
+    assert engine.stats().requests_waiting == 1
+    await engine.resume_generation()
+    await d
+    assert engine.stats().requests_waiting == 0
+    await engine.aclose()
