@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any
 
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
@@ -136,24 +137,30 @@ class _Sink:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def next(self) -> RequestOutput:
-        """Return the next output; raise StopAsyncIteration after the final one."""
-        while True:
-            out = self._pending
-            if out is not None:
-                self._pending = None
-                if self.n > 1 and self.kind is RequestOutputKind.DELTA:
-                    out.outputs.sort(key=_index)
-                return out
-            if self._error is not None:
-                raise self._error
-            if self.finished:
-                raise StopAsyncIteration
-            self._waiter = self.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+    def take(self) -> RequestOutput | None:
+        """Return the pending output, or None if there is none yet.
+
+        Raises the stream's error, or StopAsyncIteration after the final output.
+        """
+        out = self._pending
+        if out is not None:
+            self._pending = None
+            if self.n > 1 and self.kind is RequestOutputKind.DELTA:
+                out.outputs.sort(key=_index)
+            return out
+        if self._error is not None:
+            raise self._error
+        if self.finished:
+            raise StopAsyncIteration
+        return None
+
+    async def wait(self) -> None:
+        """Wait until ``push`` or ``fail`` is called."""
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     @property
     def exhausted(self) -> bool:
@@ -211,15 +218,17 @@ class RequestStream:
             )
 
     async def _next(self) -> RequestOutput:
-        self._check_loop()
-        try:
-            out = await self._sink.next()
-        except (StopAsyncIteration, Exception):
-            raise
-        except BaseException:
-            # Cancelled (or interrupted) while waiting: nobody wants the rest.
-            self._abandon("cancelled")
-            raise
+        # The hot path: one coroutine per output, no future when one is pending.
+        sink = self._sink
+        if asyncio.get_running_loop() is not sink.loop:
+            self._check_loop()
+        while (out := sink.take()) is None:
+            try:
+                await sink.wait()
+            except BaseException:
+                # Cancelled (or interrupted) while waiting: nobody wants the rest.
+                self._abandon("cancelled")
+                raise
         if out.finished:
             self._final = out
         return out
@@ -261,13 +270,13 @@ class RequestStream:
         """
         self._check_loop()
         self._abandon("disconnected")
-        while not self._sink.exhausted:
+        sink = self._sink
+        while True:
             try:
-                await self._sink.next()
-            except StopAsyncIteration:
-                break
-            except Exception:
-                break
+                if sink.take() is None:
+                    await sink.wait()
+            except (StopAsyncIteration, Exception):
+                return
 
     def __del__(self) -> None:
         if not self._sink.finished and not self._abandoned:
@@ -295,8 +304,8 @@ class _StreamIterator:
     def __aiter__(self) -> _StreamIterator:
         return self
 
-    async def __anext__(self) -> RequestOutput:
-        return await self._stream._next()
+    def __anext__(self) -> Coroutine[Any, Any, RequestOutput]:
+        return self._stream._next()
 
     def __del__(self) -> None:
         self._stream._abandon("disconnected")
