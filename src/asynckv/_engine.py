@@ -162,11 +162,17 @@ class AsyncEngine:
         in flight, ...) raises its error from the stream, to this caller only.
 
         Raises:
+            TypeError: ``sampling_params`` or ``request_id`` has the wrong type.
             EngineClosedError, EngineDeadError, EngineNotStartedError: at once.
         """
         loop = asyncio.get_running_loop()
         params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            kind = type(params).__name__
+            raise TypeError(f"sampling_params must be a SamplingParams, not {kind}")
         rid = uuid.uuid4().hex if request_id is None else request_id
+        if not isinstance(rid, str):
+            raise TypeError(f"request_id must be a str, not {type(rid).__name__}")
         sink = _Sink(loop, rid, params.output_kind, params.n)
         self._submit(Add(rid, prompt, params, kwargs, sink))
         return RequestStream(rid, sink, self._abort_soon)
@@ -183,6 +189,8 @@ class AsyncEngine:
         ``finish_reason == "abort"``. Unknown or finished ids are ignored.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if not all(isinstance(i, str) for i in ids):
+            raise TypeError("request ids must be str")
         await self._ask(lambda reply: Abort(ids, reply))
 
     # -- between two steps ---------------------------------------------------------
