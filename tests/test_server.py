@@ -1,0 +1,451 @@
+"""The example server (examples/server.py) over real HTTP, with httpx and the openai client.
+
+One server process serves the whole module: it is started with the tiny model
+on a free loopback port, and stopped at the end, where it must exit cleanly.
+Tests that stream leave the engine with no unfinished request; the last test
+kills the engine and so must stay last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+pytestmark = pytest.mark.engine
+
+SERVER = Path(__file__).resolve().parents[1] / "examples" / "server.py"
+STARTUP_TRIES = 240  # one a second: engine start takes 15-70 s on 2 busy cores
+LONG = 400  # tokens: far more than a client that disconnects early ever sees
+
+
+@dataclass(frozen=True)
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    model: str
+    log: Path
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_until_healthy(server: Server) -> None:
+    for _ in range(STARTUP_TRIES):
+        if server.process.poll() is not None:
+            pytest.fail(f"the server exited with {server.process.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"the server did not become healthy:\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The server in a subprocess, healthy; at the end, SIGTERM must stop it with status 0."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    command = [
+        sys.executable,
+        str(SERVER),
+        *("--host", "127.0.0.1", "--port", str(port), "--model", str(model_path)),
+        *("--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0"),
+        "--disable-log-stats",
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    started = Server(process, f"http://127.0.0.1:{port}", str(model_path), log)
+    children: list[psutil.Process] = []
+    try:
+        _wait_until_healthy(started)
+        children = psutil.Process(process.pid).children(recursive=True)
+        yield started
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            pytest.fail(f"the server ignored SIGTERM:\n{started.log_tail()}")
+    # After its graceful shutdown uvicorn re-raises the signal it caught, so a
+    # clean exit is death by SIGTERM once the app's shutdown has completed.
+    assert code in (0, -signal.SIGTERM), started.log_tail()
+    log_text = log.read_text(errors="replace")
+    assert "Application shutdown complete." in log_text, started.log_tail()
+    assert "Traceback" not in log_text, started.log_tail()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [(p, p.cmdline()) for p in alive]
+
+
+@pytest.fixture
+async def client(server: Server) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(
+        base_url=server.url,
+        timeout=httpx.Timeout(120.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+    ) as http:
+        yield http
+
+
+@pytest.fixture
+async def oai(server: Server) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120.0
+    ) as api:
+        yield api
+
+
+@dataclass
+class Streamed:
+    """What one streaming client saw."""
+
+    chunks: int = 0
+    text: dict[int, str] = field(default_factory=dict)
+    finish: dict[int, str | None] = field(default_factory=dict)
+    usage: dict[str, int] | None = None
+    done: bool = False  # data: [DONE] received
+    left: bool = False  # the client went away before the end
+
+
+async def _stream(
+    client: httpx.AsyncClient, body: dict[str, Any], leave_after: int | None = None
+) -> Streamed:
+    """Stream a completion; with ``leave_after``, disconnect after that many chunks."""
+    seen = Streamed()
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                seen.done = True
+                continue
+            chunk = json.loads(data)
+            assert "error" not in chunk, chunk
+            seen.chunks += 1
+            for choice in chunk["choices"]:
+                i = choice["index"]
+                seen.text[i] = seen.text.get(i, "") + choice["text"]
+                if choice["finish_reason"] is not None:
+                    seen.finish[i] = choice["finish_reason"]
+            if chunk.get("usage"):
+                seen.usage = chunk["usage"]
+            if leave_after is not None and seen.chunks >= leave_after:
+                seen.left = not seen.done
+                break  # leaving the block closes the connection mid-body
+    return seen
+
+
+async def _stats(client: httpx.AsyncClient) -> dict[str, Any]:
+    r = await client.get("/stats")
+    assert r.status_code == 200
+    stats: dict[str, Any] = r.json()
+    return stats
+
+
+async def _settled(client: httpx.AsyncClient) -> dict[str, Any]:
+    """Stats once no request is in flight (aborts land at the next step boundary)."""
+    for _ in range(100):
+        stats = await _stats(client)
+        if stats["requests_in_flight"] == 0 and stats["commands_queued"] == 0:
+            return stats
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"requests still in flight: {stats}")
+
+
+# -- answers -------------------------------------------------------------------------
+
+
+async def test_health_and_stats(client: httpx.AsyncClient) -> None:
+    """/health answers ok and /stats carries every EngineStats field."""
+    from asynckv import EngineStats
+
+    r = await client.get("/health")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    stats = await _stats(client)
+    assert set(stats) == set(EngineStats._fields)
+    assert stats["requests_in_flight"] == 0
+
+
+async def test_completion(client: httpx.AsyncClient, server: Server) -> None:
+    """A JSON completion has OpenAI's shape, the model's name and exact usage."""
+    body = {"prompt": "To be or not to be,", "max_tokens": 8, "temperature": 0.0}
+    r = await client.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["object"] == "text_completion"
+    assert answer["model"] == server.model
+    assert answer["id"].startswith("cmpl-")
+    [choice] = answer["choices"]
+    assert (choice["index"], choice["finish_reason"]) == (0, "length")
+    assert answer["usage"]["completion_tokens"] == 8
+    assert answer["usage"]["prompt_tokens"] > 0
+    assert answer["usage"]["total_tokens"] == 8 + answer["usage"]["prompt_tokens"]
+
+
+async def test_openai_client(oai: openai.AsyncOpenAI, server: Server) -> None:
+    """The openai client reads both answers, and greedy streaming spells the same text."""
+    args: dict[str, Any] = {
+        "model": server.model,
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = await oai.completions.create(**args)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+
+    stream = await oai.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    )
+    text, finish, usage = "", None, None
+    async for chunk in stream:
+        assert chunk.model == server.model
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 12
+    assert text == whole.choices[0].text
+
+
+async def test_n2(client: httpx.AsyncClient, oai: openai.AsyncOpenAI, server: Server) -> None:
+    """n=2 gives two complete choices, as JSON and streamed."""
+    body = {"prompt": "Two ways", "max_tokens": 10, "n": 2, "seed": 3, "ignore_eos": True}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert all(c["finish_reason"] == "length" for c in answer["choices"])
+    assert answer["usage"]["completion_tokens"] == 20
+
+    seen = await _stream(client, {**body, "stream_options": {"include_usage": True}})
+    assert seen.done and seen.finish == {0: "length", 1: "length"}
+    assert seen.usage is not None and seen.usage["completion_tokens"] == 20
+
+    finished: dict[int, str] = {}
+    stream = await oai.completions.create(
+        model=server.model, prompt="Two ways", max_tokens=10, n=2, stream=True
+    )
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.finish_reason is not None:
+                finished[choice.index] = choice.finish_reason
+    assert set(finished) == {0, 1}
+
+
+async def test_reset_during_streaming(client: httpx.AsyncClient) -> None:
+    """Resets while streams run: refused without, done with reset_running_requests; all end."""
+    body = {"prompt": "Reset under me", "max_tokens": LONG, "ignore_eos": True}
+    before = await _stats(client)
+    first_chunks = asyncio.Semaphore(0)
+
+    async def consume(i: int) -> Streamed:
+        seen = Streamed()
+        request = {**body, "seed": i, "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/v1/completions", json=request) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    seen.done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    seen.chunks += 1
+                    if seen.chunks == 1:
+                        first_chunks.release()
+                    for choice in chunk["choices"]:
+                        seen.finish[choice["index"]] = choice["finish_reason"]
+                    seen.usage = chunk.get("usage") or seen.usage
+        return seen
+
+    tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+    for _ in tasks:
+        await first_chunks.acquire()
+    refused = await client.post("/reset_prefix_cache", json={"reset_running_requests": False})
+    assert (refused.status_code, refused.json()) == (200, {"reset": False})
+    done = await client.post("/reset_prefix_cache", json={"reset_running_requests": True})
+    assert (done.status_code, done.json()) == (200, {"reset": True})
+    results = await asyncio.gather(*tasks)
+    for seen in results:
+        assert seen.done and seen.finish == {0: "length"}
+        assert seen.usage is not None and seen.usage["completion_tokens"] == LONG
+    after = await _settled(client)
+    assert after["requests_aborted"] == before["requests_aborted"]
+    idle = await client.post("/reset_prefix_cache")  # no body: reset_running_requests=False
+    assert idle.json() == {"reset": True}
+
+
+# -- bad input -----------------------------------------------------------------------
+
+BAD_BODIES: list[tuple[str, str]] = [
+    ("not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ("{}", "prompt: Field required"),
+    ('{"prompt": ""}', "prompt"),
+    ('{"prompt": 42}', "prompt"),
+    ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    ('{"prompt": "x", "max_tokens": "8"}', "max_tokens"),
+    ('{"prompt": "x", "temperature": -1}', "temperature"),
+    ('{"prompt": "x", "top_p": 0}', "top_p"),
+    ('{"prompt": "x", "n": 0}', "n"),
+    ('{"prompt": "x", "stream": "yes"}', "stream"),
+    ('{"prompt": "x", "stop": [""]}', "stop"),
+    ('{"prompt": "x", "seed": 1.5}', "seed"),
+    ('{"prompt": "x", "max_token": 8}', "max_token: Extra inputs are not permitted"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_BODIES)
+async def test_bad_body(client: httpx.AsyncClient, body: str, message: str) -> None:
+    """A body that doesn't validate gets a 400 whose message names the problem."""
+    r = await client.post(
+        "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert message in error["message"]
+
+
+async def test_bad_reset_body(client: httpx.AsyncClient) -> None:
+    """/reset_prefix_cache validates its body too."""
+    r = await client.post("/reset_prefix_cache", json={"reset_running_requests": "yes"})
+    assert r.status_code == 400
+    assert "reset_running_requests" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prompt_too_long(client: httpx.AsyncClient, stream: bool) -> None:
+    """A prompt longer than the model takes is the engine's 400, streamed or not."""
+    r = await client.post("/v1/completions", json={"prompt": "word " * 600, "stream": stream})
+    assert r.status_code == 400, r.text
+    assert "maximum context length" in r.json()["error"]["message"]
+    assert (await client.get("/health")).status_code == 200
+
+
+async def test_openai_client_sees_400(oai: openai.AsyncOpenAI, server: Server) -> None:
+    """The openai client raises BadRequestError with the server's message."""
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        await oai.completions.create(model=server.model, prompt="x", max_tokens=0)
+
+
+# -- load and disconnects ------------------------------------------------------------
+
+
+async def test_load_with_disconnects(client: httpx.AsyncClient) -> None:
+    """200 concurrent streams, 30% leaving early: the rest complete, the leavers are aborted."""
+    rng = random.Random(7)
+    clients = 200
+    leavers = set(rng.sample(range(clients), k=clients * 30 // 100))
+    chunks_seen = {i: rng.randint(1, 5) for i in leavers}  # before leaving
+    lengths = {i: rng.randint(32, 64) for i in range(clients)}
+    before = await _settled(client)
+
+    async def one(i: int) -> Streamed:
+        if i in leavers:
+            body = {"prompt": f"Client {i} leaves", "max_tokens": LONG, "ignore_eos": True}
+            return await _stream(client, body, leave_after=chunks_seen[i])
+        body = {
+            "prompt": f"Client {i} stays",
+            "max_tokens": lengths[i],
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        seen = await _stream(client, body)
+        assert seen.usage is not None
+        assert seen.usage["completion_tokens"] == body["max_tokens"], (i, seen)
+        return seen
+
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, (await _stats(client))["requests_in_flight"])
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(clients)))
+    elapsed = time.perf_counter() - started
+    watcher.cancel()
+    assert peak > 32, peak  # more clients than --max-num-seqs were in the engine at once
+    for i, seen in enumerate(results):
+        if i in leavers:
+            assert seen.left and not seen.done, (i, seen)
+        else:
+            assert seen.done and seen.finish == {0: "length"}, (i, seen)
+    after = await _settled(client)
+    assert after["requests_in_flight"] == 0
+    assert after["requests_aborted"] - before["requests_aborted"] == len(leavers), after
+    finished = after["requests_finished"] - before["requests_finished"]
+    assert finished == clients, after  # aborted requests end with a final output too
+    print(f"{clients} clients in {elapsed:.1f} s, at most {peak} requests in flight")
+
+
+# -- a dead engine (kills the module's engine: keep this test last) -----------------
+
+
+async def test_dead_engine_is_503(client: httpx.AsyncClient, server: Server) -> None:
+    """Once the engine-core process dies, streams end with an error event; then 503s."""
+    cores = [
+        p
+        for p in psutil.Process(server.process.pid).children(recursive=True)
+        if "EngineCore" in p.name()
+    ]
+    assert cores, "no engine-core process found"
+    events: list[str] = []
+    body = {"prompt": "Still there?", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if len(events) == 1:
+                    for core in cores:
+                        core.kill()
+    assert "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "service_unavailable"
+    assert "the engine died" in error["message"]
+
+    health = await client.get("/health")
+    assert health.status_code == 503, health.text
+    assert "the engine died" in health.json()["error"]["message"]
+    r = await client.post("/v1/completions", json={"prompt": "anyone there?"})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "service_unavailable"
+    r = await client.post("/reset_prefix_cache")
+    assert r.status_code == 503, r.text
+    assert (await client.get("/stats")).status_code == 200
