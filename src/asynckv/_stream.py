@@ -182,9 +182,11 @@ class RequestStream:
     returns the final output, with all ``n`` completions ordered by index
     (for DELTA, the concatenation of the deltas it consumed).
 
-    Every path away from an unfinished stream aborts the request in the
-    engine before its next step: cancelling the task that awaits or iterates
-    it, ``break`` out of ``async for`` (the iterator is dropped), ``aclose()``,
+    ``async with engine.generate(...) as stream:`` guarantees the abort on
+    every exit from the block, even a cancellation before the stream was
+    first awaited. Every path away from an unfinished stream aborts the
+    request in the engine before its next step: cancelling the task that
+    awaits or iterates it, ``break`` out of ``async for`` (the iterator is dropped), ``aclose()``,
     and garbage collection (which also warns with ``ResourceWarning``).
     Every stream ends with a final output or an exception: ``EngineDeadError``,
     ``EngineClosedError`` or the engine's own error for a bad request.
@@ -278,6 +280,17 @@ class RequestStream:
             except (StopAsyncIteration, Exception):
                 return
 
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        """Leaving the block, by any exit, aborts the request if it is unfinished.
+
+        It doesn't wait for the abort (a cancellation must not wait on the
+        engine): the request is out of the engine before its next step.
+        """
+        self._abandon("cancelled" if _cancelling() else "disconnected")
+
     def __del__(self) -> None:
         if not self._sink.finished and not self._abandoned:
             self._abort(self.request_id, "disconnected")
@@ -309,6 +322,11 @@ class _StreamIterator:
 
     def __del__(self) -> None:
         self._stream._abandon("disconnected")
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _copy_delta(out: RequestOutput) -> RequestOutput:
