@@ -58,6 +58,8 @@ __all__ = ("create_app", "main")
 T = TypeVar("T")
 log = logging.getLogger("asynckv.server")
 
+_COMPACT = (",", ":")  # JSON separators without spaces, as FastAPI's JSON answers
+
 # How long a stream that lost its client waits for the engine to confirm the abort.
 _ABORT_WAIT_SECONDS = 10.0
 
@@ -299,7 +301,7 @@ def _completion(final: RequestOutput) -> dict[str, Any]:
 
 
 def _sse(data: object) -> str:
-    return f"data: {json.dumps(data)}\n\n"
+    return f"data: {json.dumps(data, separators=_COMPACT)}\n\n"
 
 
 async def _events(
@@ -372,9 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model_name = None
     if args.model is None:
-        from asynckv.testing import tiny_model
+        from asynckv.testing import demo_model
 
-        args.model = str(tiny_model())
+        args.model = str(demo_model())  # built and cached on first use (about 15 s)
         model_name = "demo"
     engine_args = EngineArgs.from_cli_args(args)
     uvicorn.run(
