@@ -12,11 +12,13 @@ from ._errors import (
 )
 from ._log import configure_logging
 from ._metrics import RequestMetrics
+from ._pool import AsyncEnginePool
 from ._stats import EngineStats
 from ._stream import RequestStream
 
 __all__ = (
     "AsyncEngine",
+    "AsyncEnginePool",
     "AsyncKVError",
     "EngineClosedError",
     "EngineDeadError",

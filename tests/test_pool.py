@@ -1,0 +1,291 @@
+"""AsyncEnginePool: routing, prefix affinity, resets and dead engines.
+
+Routing and failures at exact moments use fake engines held inside a step
+(their requests stay in flight until the test lets them go). Two real CPU
+engines, started once for the module, show the prefix cache actually hitting
+on the engine that affinity picks, and a SIGKILLed engine failing only its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import psutil
+import pytest
+from vllm import EngineArgs, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from asynckv import (
+    AsyncEngine,
+    AsyncEnginePool,
+    EngineClosedError,
+    EngineDeadError,
+    EngineNotStartedError,
+    RequestStream,
+)
+from support import FakeEngine, engine_args, unfinished
+
+FIVE = SamplingParams(max_tokens=5)
+PREFIX = "A robot may not injure a human being or, through inaction, allow harm. " * 4
+
+
+Fakes = tuple[AsyncEnginePool, list[FakeEngine]]
+
+
+@contextlib.asynccontextmanager
+async def fake_pool(
+    n: int = 2, **options: Any
+) -> AsyncIterator[tuple[AsyncEnginePool, list[FakeEngine]]]:
+    """A pool of fake engines whose steps block until the test opens their gates."""
+    fakes = [FakeEngine() for _ in range(n)]
+    for fake in fakes:
+        fake.gate.clear()
+    pool = AsyncEnginePool([AsyncEngine(fake) for fake in fakes], **options)
+    try:
+        yield pool, fakes
+    finally:
+        for fake in fakes:
+            fake.gate.set()
+        await pool.aclose()
+
+
+def where(pool: AsyncEnginePool, streams: list[RequestStream]) -> list[int | None]:
+    return [pool.engine_of(s.request_id) for s in streams]
+
+
+async def test_burst_goes_to_least_loaded() -> None:
+    """A burst spreads evenly, and an engine whose requests finished takes the next ones."""
+    async with fake_pool() as (pool, fakes):
+        first = [pool.generate(f"r{i}", FIVE) for i in range(4)]
+        assert where(pool, first) == [0, 1, 0, 1]
+        fakes[1].gate.set()
+        for stream in first[1::2]:
+            assert (await stream).finished
+        # Engine 1 holds at most one of them (its requests run to the end at once).
+        second = [pool.generate(f"s{i}", FIVE) for i in range(2)]
+        assert where(pool, second) == [1, 1]
+        fakes[0].gate.set()
+        for stream in first[::2] + second:
+            assert len((await stream).outputs[0].token_ids) == 5
+
+
+async def test_prefix_affinity_until_overloaded() -> None:
+    """A shared prefix keeps its engine while within affinity_slack of the least loaded."""
+    async with fake_pool(affinity_slack=2) as (pool, fakes):
+        other = pool.generate("unrelated", FIVE)
+        same = [pool.generate(PREFIX + str(i), FIVE) for i in range(5)]
+        # The first goes to the idle engine 1, and the prefix sticks there until
+        # engine 1 would hold more than 2 over engine 0's one request.
+        assert where(pool, [other, *same]) == [0, 1, 1, 1, 1, 0]
+        fresh = pool.generate("B" * len(PREFIX), FIVE)  # a prefix nobody has seen
+        assert pool.engine_of(fresh.request_id) == 0  # 2 vs 4: least loaded
+        # The same text as a TextPrompt, tokens as a TokensPrompt, a cache salt:
+        text = pool.generate({"prompt": "B" * len(PREFIX) + "!"}, FIVE)
+        assert pool.engine_of(text.request_id) == 0
+        salted = pool.generate({"prompt": "B" * len(PREFIX), "cache_salt": "x"}, FIVE)
+        assert pool.engine_of(salted.request_id) == 1  # no match; 4 vs 4, round-robin
+        tokens = [
+            pool.generate(TokensPrompt(prompt_token_ids=[*range(40), i]), FIVE) for i in range(2)
+        ]
+        assert where(pool, tokens) == [0, 0]  # 4 vs 5: least loaded; then affinity
+        for fake in fakes:
+            fake.gate.set()
+        streams = [other, *same, fresh, text, salted, *tokens]
+        assert all([(await s).finished for s in streams])
+
+
+async def test_request_ids_are_unique_across_engines() -> None:
+    """An id in flight anywhere in the pool is refused at once; once finished it is free."""
+    async with fake_pool() as (pool, fakes):
+        first = pool.generate("a", FIVE, request_id="same")
+        assert pool.engine_of("same") == 0
+        with pytest.raises(ValueError, match="already in flight"):
+            pool.generate("b", FIVE, request_id="same")  # engine 1 would take it
+        with pytest.raises(TypeError):
+            pool.generate("c", FIVE, request_id=7)  # type: ignore[arg-type]
+        fakes[0].gate.set()
+        await first
+        assert pool.engine_of("same") is None
+        again = pool.generate("d", FIVE, request_id="same")
+        fakes[1].gate.set()
+        assert (await again).finished
+
+
+async def test_abort_goes_to_the_owning_engine() -> None:
+    """abort() sends each id to the engine that holds it and ignores unknown ids."""
+    async with fake_pool() as (pool, fakes):
+        long = SamplingParams(max_tokens=50)
+        streams = [pool.generate(f"r{i}", long) for i in range(4)]
+        assert where(pool, streams) == [0, 1, 0, 1]
+        aborting = asyncio.ensure_future(
+            pool.abort([streams[0].request_id, streams[1].request_id, "unknown"])
+        )
+        await asyncio.sleep(0.05)
+        for fake in fakes:
+            fake.gate.set()
+        await aborting
+        for stream in streams[:2]:
+            assert (await stream).outputs[0].finish_reason == "abort"
+        for stream in streams[2:]:
+            assert (await stream).outputs[0].finish_reason == "length"
+        aborted = [[line for line in fake.log if line.startswith("abort")] for fake in fakes]
+        assert aborted == [[f"abort {streams[0].request_id}"], [f"abort {streams[1].request_id}"]]
+        await pool.abort("finished long ago")
+
+
+async def test_dead_engine_fails_only_its_own_requests() -> None:
+    """One engine dying fails its streams only; the rest keep serving until all are dead."""
+    async with fake_pool() as (pool, fakes):
+        streams = [pool.generate(f"r{i}", FIVE) for i in range(4)]
+        fakes[1].fail_with = RuntimeError("GPU 1 fell off the bus")
+        fakes[1].gate.set()
+        for stream in streams[1::2]:
+            with pytest.raises(EngineDeadError, match="fell off the bus"):
+                await stream
+        assert pool.engines[1].errored
+        later = [pool.generate(PREFIX + str(i), FIVE) for i in range(3)]
+        assert where(pool, later) == [0, 0, 0]
+        fakes[0].gate.set()
+        for stream in streams[::2] + later:
+            assert len((await stream).outputs[0].token_ids) == 5
+        assert await pool.reset_prefix_cache() == [True, False]
+        await pool.abort([s.request_id for s in streams])  # a dead engine is no error
+
+        fakes[0].fail_with = RuntimeError("GPU 0 too")
+        with pytest.raises(EngineDeadError, match="GPU 0 too"):
+            await pool.generate("the last one", FIVE)
+        with pytest.raises(EngineDeadError, match="every engine in the pool is dead"):
+            pool.generate("nobody left")
+        with pytest.raises(EngineDeadError, match="every engine in the pool is dead"):
+            await pool.reset_prefix_cache()
+
+
+async def test_lifecycle_errors() -> None:
+    """Not started, closed, and a failed start (which closes every engine) raise at once."""
+    args = [EngineArgs(model="/no/such/model"), EngineArgs(model="/no/such/model/either")]
+    pool = AsyncEnginePool.from_engine_args(args)
+    with pytest.raises(EngineNotStartedError):
+        pool.generate("too early")
+    with pytest.raises(Exception) as info:
+        await pool.start()
+    assert not isinstance(info.value, EngineDeadError)
+    with pytest.raises(EngineClosedError):
+        pool.generate("after a failed start")
+    await pool.aclose()  # idempotent
+    with pytest.raises(ValueError):
+        AsyncEnginePool([])
+
+
+# -- two real engines --------------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    engines: tuple[AsyncEngine, ...]
+    cores: set[int]  # their engine-core processes, in no particular order
+
+
+def _cores() -> set[int]:
+    return {p.pid for p in psutil.Process().children() if "EngineCore" in p.name()}
+
+
+@pytest.fixture(scope="module")
+def pair(model_path: Path) -> Iterator[Pair]:
+    """Two real engines, started together by a pool; each test routes through a pool of its own.
+
+    Only this fixture closes them (a test's pool would close them with it).
+    The SIGKILL test kills one, so it comes last.
+    """
+    before = _cores()
+    pool = AsyncEnginePool.from_engine_args([engine_args(model_path) for _ in range(2)])
+    asyncio.run(pool.start())
+    try:
+        yield Pair(pool.engines, _cores() - before)
+    finally:
+        for engine in pool.engines:
+            engine.shutdown()
+
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+async def test_real_engines_share_a_burst(pair: Pair) -> None:
+    """A burst spreads over both real engines and each returns the same greedy tokens."""
+    pool = AsyncEnginePool(pair.engines)
+    prompts = ["To be or not to be,", "Call me Ishmael.", "In the beginning", "It was the"]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    streams = [pool.generate(p, params) for p in prompts]
+    assert sorted(where(pool, streams)) == [0, 0, 1, 1]  # type: ignore[type-var]
+    outs = await asyncio.gather(*streams)
+    direct = await asyncio.gather(*(pair.engines[0].generate(p, params) for p in prompts))
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        list(d.outputs[0].token_ids) for d in direct
+    ]
+
+
+async def test_affinity_hits_the_prefix_cache(pair: Pair) -> None:
+    """A request sharing a long prefix goes to the engine that cached it, and hits there."""
+    block = await pair.engines[0].run_on_engine(lambda e: e.vllm_config.cache_config.block_size)
+    tokenizer = await pair.engines[0].get_tokenizer()
+    prefix = (tokenizer.encode("A robot may not injure a human being. ") * 200)[: 2 * block]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    pool = AsyncEnginePool(pair.engines)
+
+    warm = pool.generate(TokensPrompt(prompt_token_ids=[*prefix, 11]), params)
+    first = pool.engine_of(warm.request_id)
+    assert first is not None
+    assert (await warm).num_cached_tokens == 0
+    # Make that engine the busier one: affinity must outweigh it.
+    busy = pair.engines[first].generate("keep busy", SamplingParams(max_tokens=400))
+    await pair.engines[first].run_on_engine(lambda e: None)
+    again = pool.generate(TokensPrompt(prompt_token_ids=[*prefix, 12]), params)
+    assert pool.engine_of(again.request_id) == first
+    assert (await again).num_cached_tokens >= block
+    await busy.aclose()
+
+    cold = pair.engines[1 - first].generate(TokensPrompt(prompt_token_ids=[*prefix, 12]), params)
+    assert (await cold).num_cached_tokens == 0  # the other engine never saw it
+
+    assert await pool.reset_prefix_cache() == [True, True]
+    after = await pool.generate(TokensPrompt(prompt_token_ids=[*prefix, 13]), params)
+    assert after.num_cached_tokens == 0
+    for engine in pair.engines:
+        assert await unfinished(engine) == 0
+
+
+async def test_killed_engine_fails_only_its_own(pair: Pair) -> None:
+    """SIGKILL of one engine-core process fails that engine's streams; the pool serves on."""
+    pool = AsyncEnginePool(pair.engines)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    streams = [pool.generate(f"doomed or not {i}", long) for i in range(4)]
+    owners = where(pool, streams)
+    await asyncio.gather(*(e.run_on_engine(lambda e: None) for e in pair.engines))
+    os.kill(min(pair.cores), signal.SIGKILL)
+    for _ in range(200):
+        if any(e.errored for e in pair.engines):
+            break
+        await asyncio.sleep(0.05)
+    (dead,) = [i for i, e in enumerate(pair.engines) if e.errored]
+    await pool.abort([s.request_id for s in streams])  # the dead engine's are no error
+    for stream, owner in zip(streams, owners, strict=True):
+        if owner == dead:
+            with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
+                await asyncio.wait_for(_result(stream), timeout=20)
+    for stream, owner in zip(streams, owners, strict=True):
+        if owner != dead:
+            assert (await stream).outputs[0].finish_reason == "abort"
+
+    later = [pool.generate(f"later {i}", FIVE) for i in range(3)]
+    assert where(pool, later) == [1 - dead] * 3
+    assert all(len(o.outputs[0].token_ids) == 5 for o in await asyncio.gather(*later))
+    results = await pool.reset_prefix_cache()
+    assert results[dead] is False and results[1 - dead] is True
+
+
+async def _result(stream: RequestStream) -> object:
+    return await stream
