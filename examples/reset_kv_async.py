@@ -235,11 +235,11 @@ def format_summary(report: Report, reset_at_step: int | None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> Report:
-    """Parse the command line, run the program and return its report."""
+def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] = print) -> Report:
+    """Parse the command line, run the program, print what happens and return its report."""
     # vLLM on CPUs needs a KV-cache size; 1 GiB is plenty here.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return asyncio.run(run(parse_args(argv)))
+    return asyncio.run(run(parse_args(argv), echo=echo))
 
 
 if __name__ == "__main__":  # vLLM spawns engine processes: the guard is required

@@ -1,0 +1,101 @@
+"""The reset-KV example, end to end on the demo model, against a sync ``LLMEngine`` loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from vllm import EngineArgs, LLMEngine, SamplingParams
+
+import reset_kv_async
+from asynckv.testing import demo_model
+
+pytestmark = pytest.mark.engine
+
+ROBOT = "A robot may not injure a human being " * 50
+
+
+@pytest.fixture(scope="module")
+def example() -> tuple[reset_kv_async.Report, str]:
+    """One run of the example with no arguments (the demo model), and what it printed."""
+    lines: list[str] = []
+    report = reset_kv_async.main([], echo=lines.append)
+    return report, "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def sync_engine() -> Iterator[LLMEngine]:
+    """A plain in-process ``LLMEngine`` on the demo model, stepped by the test itself."""
+    from vllm.v1.executor import Executor
+
+    config = EngineArgs(model=str(demo_model())).create_engine_config()
+    engine = LLMEngine(
+        vllm_config=config,
+        executor_class=Executor.get_class(config),
+        log_stats=False,
+        multiprocess_mode=False,
+    )
+    yield engine
+    engine.engine_core.shutdown()
+
+
+def run_documented_schedule(engine: LLMEngine, reset_at: int | None) -> dict[str, list[int]]:
+    """Follow vLLM's reset-KV example: one prompt added per step, a reset before step 11.
+
+    Returns the token ids of the two greedy requests.
+    """
+    greedy = SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1, max_tokens=16)
+    to_add = [
+        (ROBOT, greedy),
+        (ROBOT, greedy),
+        ("To be or not to be,", SamplingParams(temperature=0.8, top_k=5, max_tokens=128)),
+        ("What is the meaning of life?", SamplingParams(n=2, temperature=0.8, max_tokens=128)),
+    ]
+    finished: dict[str, list[int]] = {}
+    step = 0
+    while to_add or engine.has_unfinished_requests():
+        if to_add:
+            prompt, params = to_add.pop(0)
+            engine.add_request(str(3 - len(to_add)), prompt, params)
+        if step == reset_at:
+            assert engine.reset_prefix_cache(reset_running_requests=True)
+        for out in engine.step():
+            if out.finished and out.request_id in ("0", "1"):
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    # Leave no cached blocks behind for the next run.
+    assert engine.reset_prefix_cache()
+    return finished
+
+
+def test_example_output(example: tuple[reset_kv_async.Report, str]) -> None:
+    """Four requests finish, the n=2 one with two completions, and the reset succeeds at step 10."""
+    report, printed = example
+    assert [r.request_id for r in report.requests] == ["0", "1", "2", "3"]
+    assert [r.added_at_step for r in report.requests] == [0, 1, 2, 3]
+    assert all(r.output.finished for r in report.requests)
+    assert [len(r.output.outputs) for r in report.requests] == [1, 1, 1, 2]
+    assert all(c.token_ids for r in report.requests for c in r.output.outputs)
+    assert report.reset.result is True
+    assert report.reset.step == reset_kv_async.RESET_AT_STEP == 10
+    # The greedy requests (16 tokens from step 1 and 2) are still running at step 10.
+    assert report.reset.running[:2] == ["0", "1"]
+    assert report.requests[0].running_at_reset
+
+    for rid in "0123":
+        assert f"request {rid} finished" in printed
+    assert printed.count("  completion 1: ") == 1
+    assert "returned True at step 10" in printed
+
+
+def test_greedy_tokens_match_sync_loop_and_no_reset(
+    example: tuple[reset_kv_async.Report, str], sync_engine: LLMEngine
+) -> None:
+    """The greedy requests get the same tokens async, in a sync loop, and without the reset."""
+    greedy = example[0].requests[:2]
+    async_tokens = {r.request_id: list(r.output.outputs[0].token_ids) for r in greedy}
+    with_reset = run_documented_schedule(sync_engine, reset_at=10)
+    without_reset = run_documented_schedule(sync_engine, reset_at=None)
+    assert len(async_tokens["0"]) == 16
+    assert async_tokens["0"] == async_tokens["1"]
+    assert async_tokens == with_reset == without_reset
