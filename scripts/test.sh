@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Set up this checkout from nothing and run every check: lint, types, the test suite.
+# Set up this checkout from nothing and run every check: lint, types, docs, the test suite.
 #
 # Makes (or reuses) a virtual environment in .venv, installs asynckv with vLLM
-# for CPUs and the test tools, then runs ruff, mypy and pytest. Arguments are
-# passed to pytest.
+# for CPUs and the test tools, then runs ruff, mypy, a strict docs build and
+# pytest. Arguments are passed to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,4 +21,5 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"
+NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet
 "$py" -m pytest "$@"
