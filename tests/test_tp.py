@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from asynckv import AsyncEngine
+from asynckv import AsyncEngine, EngineDeadError
 from support import engine_args, start_engine, unfinished
 
 pytestmark = pytest.mark.engine
@@ -163,3 +164,24 @@ async def _drained(engine: AsyncEngine) -> bool:
 
 async def _result(stream: object) -> object:
     return await stream  # type: ignore[misc]
+
+
+async def test_killed_rank_kills_the_engine(tp_engine: AsyncEngine) -> None:
+    """SIGKILL of one rank's process ends every stream with EngineDeadError (runs last)."""
+    long = SamplingParams(max_tokens=400, **GREEDY)
+    streams = [tp_engine.generate(f"doomed {i}", long) for i in range(3)]
+    await tp_engine.run_on_engine(lambda e: None)  # they are in the engine now
+    (rank, _) = [
+        w.pid
+        for core in psutil.Process().children()
+        if "EngineCore" in core.name()
+        for w in core.children()
+        if "Worker_TP" in w.name()
+    ]
+    os.kill(rank, signal.SIGKILL)
+    for stream in streams:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_result(stream), timeout=30)
+    assert tp_engine.errored
+    with pytest.raises(EngineDeadError):
+        tp_engine.generate("after death")
