@@ -123,10 +123,17 @@ async def test_abort_goes_to_the_owning_engine() -> None:
         long = SamplingParams(max_tokens=50)
         streams = [pool.generate(f"r{i}", long) for i in range(4)]
         assert where(pool, streams) == [0, 1, 0, 1]
+        # Once inside a step, a worker takes no command: the aborts queue up.
+        for fake in fakes:
+            assert await asyncio.to_thread(fake.step_entered.wait, 10)
+        queued = [e.stats().commands_queued + 1 for e in pool.engines]
         aborting = asyncio.ensure_future(
             pool.abort([streams[0].request_id, streams[1].request_id, "unknown"])
         )
-        await asyncio.sleep(0.05)
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if [e.stats().commands_queued for e in pool.engines] == queued:
+                break
         for fake in fakes:
             fake.gate.set()
         await aborting
