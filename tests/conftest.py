@@ -8,7 +8,7 @@ serves any loop.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -50,3 +50,31 @@ def inproc_engine(model_path: Path) -> Iterator[AsyncEngine]:
     wrapped = AsyncEngine(llm_engine)
     yield wrapped
     wrapped.shutdown()
+
+
+# -- the reliability suite: each test reports its figures at the end of the run --
+
+_FIGURES: list[str] = []
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Record one line of figures for this test."""
+
+    def record(line: str) -> None:
+        _FIGURES.append(f"{request.node.name}: {line}")
+
+    return record
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "reliability" in item.nodeid:
+            item.add_marker(pytest.mark.reliability)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _FIGURES:
+        terminalreporter.section("reliability figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)

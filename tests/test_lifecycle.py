@@ -25,7 +25,15 @@ LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """Child processes, less multiprocessing's resource tracker (it lives as long as we do)."""
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if not any("resource_tracker" in part for part in child.cmdline()):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
 
 
 def _engine_cores() -> list[psutil.Process]:
