@@ -217,7 +217,7 @@ class AsyncEngine:
 
         def reset(engine: LLMEngine) -> bool:
             # On the worker thread, between two steps.
-            in_flight = engine.get_num_unfinished_requests()
+            in_flight = worker.in_flight
             done = bool(engine.reset_prefix_cache(reset_running_requests, reset_connector))
             emit(
                 logging.INFO if done else logging.WARNING,

@@ -302,7 +302,9 @@ class Worker:
         elif isinstance(command, Hold):
             self._hold(command, outbox)
         elif isinstance(command, Release):
-            self._holds.discard(command.token)
+            if command.token in self._holds:
+                self._holds.discard(command.token)
+                emit(logging.DEBUG, "engine released", step=self.step_count)
             with self._lock:
                 self._pending_holds = [
                     h for h in self._pending_holds if h.token is not command.token
