@@ -513,7 +513,12 @@ def _abort_outputs(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
     """
     processor = engine.output_processor
     outputs = []
-    for internal_id in list(processor.external_req_ids.get(request_id, ())):
+    # Internals of vLLM's output processor: if another version lays them out
+    # differently, the stream makes its own final "abort" output instead.
+    mapping = getattr(processor, "external_req_ids", None)
+    if mapping is None:
+        return outputs
+    for internal_id in list(mapping.get(request_id, ())):
         state = processor.request_states.get(internal_id)
         if state is None:
             continue
