@@ -512,7 +512,7 @@ def _abort_outputs(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
     follow the request's output kind and ``n`` exactly as a finished output would.
     """
     processor = engine.output_processor
-    outputs = []
+    outputs: list[RequestOutput] = []
     # Internals of vLLM's output processor: if another version lays them out
     # differently, the stream makes its own final "abort" output instead.
     mapping = getattr(processor, "external_req_ids", None)
