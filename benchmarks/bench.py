@@ -10,6 +10,11 @@ asynckv / AsyncLLM.
     python benchmarks/bench.py                      # the full run
     python benchmarks/bench.py --concurrency 1 --reps 1 --output-len 8   # a smoke run
 
+On a GPU (scripts/gpu/README.md), with the 8B-shaped dummy checkpoint:
+
+    python benchmarks/bench.py --model scripts/gpu/llama8b --load-format dummy \
+        --skip-tokenizer-init --gpu-memory-utilization 0.25 --concurrency 1 64 256 1024
+
 Every driver does identical engine work: token-id prompts (fixed seed, 32-128
 tokens), greedy, ``ignore_eos``, a fixed output length. Figures on a shared
 machine are noisy: compare the ratios of one run, never absolute figures
@@ -71,10 +76,14 @@ class Workload:
     params: SamplingParams
 
 
-def make_workload(n: int, output_len: int, vocab: int, seed: int) -> Workload:
+def make_workload(
+    n: int, output_len: int, vocab: int, seed: int, detokenize: bool = True
+) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(32, 128))] for _ in range(n)]
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    params = SamplingParams(
+        temperature=0.0, ignore_eos=True, max_tokens=output_len, detokenize=detokenize
+    )
     return Workload(prompts, params)
 
 
@@ -246,18 +255,33 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or str(tiny_model())
     settings: dict[str, Any] = {
         "model": model,
-        "max_model_len": 512,
+        "max_model_len": args.max_model_len,
         "seed": 0,
         "disable_log_stats": True,
         "max_num_seqs": args.max_num_seqs,
     }
+    # GPU runs: a config-only checkpoint with random weights, no tokenizer.
+    if args.load_format:
+        settings["load_format"] = args.load_format
+    if args.skip_tokenizer_init:
+        settings["skip_tokenizer_init"] = True
+    if args.gpu_memory_utilization is not None:
+        settings["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.enforce_eager:
+        settings["enforce_eager"] = True
     print(f"building engines for {model} ...", file=sys.stderr)
     raw = LLMEngine.from_engine_args(EngineArgs(**settings))
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
     kv = AsyncEngine.from_engine_args(EngineArgs(**settings))
     await kv.start()
     vocab = raw.model_config.get_vocab_size()
-    work = make_workload(max(*args.concurrency, 4), args.output_len, vocab, seed=0)
+    work = make_workload(
+        max(*args.concurrency, 4),
+        args.output_len,
+        vocab,
+        seed=0,
+        detokenize=not args.skip_tokenizer_init,
+    )
 
     results: dict[str, Any] = {"settings": vars(args) | {"model": model}, "main": {}}
     try:
@@ -278,7 +302,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     results["main"][str(n)][d].update(
                         {"lag_p50_ms": None, "lag_p99_ms": None, "lag_max_ms": None}
                     )
-        results["consumers"] = await consumer_workloads(llm, kv, work, args)
+            # Keep what is measured so far: a run cut short still leaves its sizes.
+            save_json(results, args.out)
+            print(ratio_table(results), file=sys.stderr)
+        results["consumers"] = (
+            {} if args.no_consumers else await consumer_workloads(llm, kv, work, args)
+        )
     finally:
         await kv.aclose()
         llm.shutdown()
@@ -313,6 +342,7 @@ async def consumer_workloads(
             ignore_eos=True,
             max_tokens=work.params.max_tokens,
             output_kind=RequestOutputKind.DELTA,
+            detokenize=work.params.detokenize,
         ),
     )
     expected = n * (work.params.max_tokens or 0)
@@ -379,6 +409,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def save_json(results: dict[str, Any], out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.with_suffix(".json")
+    path.write_text(json.dumps(results, indent=2, default=str))
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint (default: the tiny model)")
@@ -386,15 +423,27 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    gpu = parser.add_argument_group("GPU runs (scripts/gpu/README.md)")
+    gpu.add_argument("--load-format", default=None, help="e.g. dummy: random weights")
+    gpu.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="no tokenizer (token-id prompts; outputs not detokenized)",
+    )
+    gpu.add_argument("--gpu-memory-utilization", type=float, default=None)
+    gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile")
+    parser.add_argument(
+        "--no-consumers", action="store_true", help="skip the busy/slow consumer workloads"
+    )
     args = parser.parse_args()
     results = asyncio.run(bench(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
-    json_path.write_text(json.dumps(results, indent=2, default=str))
+    json_path, png_path = save_json(results, args.out), args.out.with_suffix(".png")
     plot(results, png_path)
     print(ratio_table(results))
-    print(json.dumps(results["consumers"], indent=2))
+    if results["consumers"]:
+        print(json.dumps(results["consumers"], indent=2))
     print(f"wrote {json_path} and {png_path}")
 
 
