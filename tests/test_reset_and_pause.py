@@ -112,7 +112,12 @@ async def test_pause_keep_mode(engine: AsyncEngine) -> None:
     assert await unfinished(engine) == 1
     assert engine.step_count == frozen_at
     assert not running.finished
+    # The engine-core process, which steps on its own, is frozen too.
+    assert await engine.run_on_engine(lambda e: e.engine_core.call_utility("is_scheduler_paused"))
     await engine.resume_generation()
+    assert not await engine.run_on_engine(
+        lambda e: e.engine_core.call_utility("is_scheduler_paused")
+    )
     out = await running
     assert list(out.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
 

@@ -99,6 +99,7 @@ class Worker:
         self._pending_holds: list[Hold] = []
         self._drain_waiters: list[tuple[Reply, bool]] = []
         self._keep = False
+        self._core_paused = False  # the engine core's own scheduler is paused ("keep")
         self._thread = threading.Thread(target=self._run, name="asynckv-engine", daemon=True)
         self._started: Reply | None = None
 
@@ -403,7 +404,13 @@ class Worker:
                 self._abort(engine, request_id, outbox, "paused")
         elif pause.mode == "keep":
             self._keep = True
-            if pause.clear_cache:
+            core = engine.engine_core
+            if hasattr(core, "call_utility"):
+                # Multiprocess: the engine core steps on its own, ahead of step();
+                # not calling step() would not freeze it, so pause its scheduler.
+                core.call_utility("pause_scheduler", "keep", pause.clear_cache)
+                self._core_paused = True
+            elif pause.clear_cache:
                 engine.reset_prefix_cache(reset_running_requests=True)
             pause.reply.ok(outbox)
             return
@@ -427,6 +434,9 @@ class Worker:
             reply.ok(outbox)
 
     def _resume(self, engine: LLMEngine, outbox: Outbox) -> None:
+        if self._core_paused:
+            engine.engine_core.call_utility("resume_scheduler")
+            self._core_paused = False
         self.admission_paused = False
         self._keep = False
         with self._lock:
