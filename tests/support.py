@@ -57,6 +57,7 @@ class FakeEngine:
         self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})
         self.engine_core = SimpleNamespace(shutdown=self._shutdown)
         self.shut_down = threading.Event()
+        self.metrics: object = None  # what outputs carry as vLLM's per-request stats
 
     def _shutdown(self) -> None:
         self.shut_down.set()
@@ -109,6 +110,7 @@ class FakeEngine:
                     prompt_logprobs=None,
                     outputs=[completion],
                     finished=done,
+                    metrics=self.metrics,
                 )
             )
             if done:

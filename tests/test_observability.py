@@ -166,3 +166,34 @@ async def test_stats_count_a_scripted_workload() -> None:
     await d
     assert engine.stats().requests_waiting == 0
     await engine.aclose()
+
+
+class _Stats:
+    """Engine stats from another vLLM version: no preemption count."""
+
+    first_token_ts = 0.0
+    last_token_ts = 0.0
+    scheduled_ts = 0.0
+
+
+class _BrokenStats:
+    """Engine stats whose every field raises."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"no {name}")
+
+
+async def test_metrics_tolerate_other_engine_stats(logs: list[MutableMapping[str, Any]]) -> None:
+    """Stats without a field, or whose fields raise, never keep a stream from ending."""
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    fake.metrics = _Stats()
+    a, b = (engine.generate(r, SamplingParams(max_tokens=3)) for r in "ab")
+    await asyncio.gather(a, b)
+    assert a.metrics is not None and a.metrics.preemptions == 0
+    fake.metrics = _BrokenStats()
+    c, d = (engine.generate(r, SamplingParams(max_tokens=3)) for r in "cd")
+    outs = await asyncio.gather(c, d)
+    assert all(o.finished for o in outs)
+    assert any(e["event"] == "delivery failed" for e in logs)
+    await engine.aclose()

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from ._log import emit
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
@@ -58,7 +61,11 @@ class Outbox:
 
 def _run_batch(batch: list[_Callback]) -> None:
     for fn, args in batch:
-        fn(*args)
+        try:
+            fn(*args)
+        except Exception as exc:
+            # One failing delivery must not drop the rest of the batch.
+            emit(logging.ERROR, "delivery failed", callback=repr(fn), exc_info=exc)
 
 
 def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:

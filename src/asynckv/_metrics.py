@@ -110,19 +110,20 @@ class Timeline:
             if kind is RequestOutputKind.DELTA
             else sum(len(c.token_ids) for c in final.outputs)
         )
-        first = (stats.first_token_ts or None) if stats is not None else None
-        last = (stats.last_token_ts or None) if stats is not None else None
+        first = _stamp(stats, "first_token_ts")
+        last = _stamp(stats, "last_token_ts")
         reason = final.outputs[0].finish_reason if final.outputs else None
         self.metrics = m = RequestMetrics(
             submitted=self._submitted,
-            scheduled=(stats.scheduled_ts or None) if stats is not None else None,
+            scheduled=_stamp(stats, "scheduled_ts"),
             first_token=first or self.first_at,
             last_token=last or (now if self.first_at is not None else None),
             finished=now,
             prompt_tokens=len(final.prompt_token_ids or ()),
             output_tokens=tokens,
             n=max(1, len(final.outputs)),
-            preemptions=stats.num_preemptions if stats is not None else 0,
+            # vLLM 0.26's stats have no preemption count.
+            preemptions=int(getattr(stats, "num_preemptions", 0) or 0),
             finish_reason=reason,
         )
         if not enabled(logging.INFO):
@@ -150,6 +151,12 @@ class Timeline:
             emit(logging.DEBUG, "request failed", request_id=self.request_id, error=str(error))
         else:
             emit(logging.INFO, "request rejected", request_id=self.request_id, error=str(error))
+
+
+def _stamp(stats: Any, name: str) -> float | None:
+    """One of vLLM's engine timestamps, if it recorded it (0.0 means it didn't)."""
+    value = getattr(stats, name, None) if stats is not None else None
+    return float(value) if value else None
 
 
 def _round(value: float | None) -> float | None:

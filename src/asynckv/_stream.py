@@ -84,11 +84,13 @@ class _Sink:
         else:
             self._pending = out
         self._last = out if self.kind is RequestOutputKind.DELTA else self._pending
-        self.timeline.output(out, self.kind)
         if out.finished:
             self.finished = True
-            self.timeline.finish(self._pending or out, self.kind)
         self._wake()
+        # Bookkeeping last: whatever it raises, the consumer has its output.
+        self.timeline.output(out, self.kind)
+        if out.finished:
+            self.timeline.finish(self._pending or out, self.kind)
 
     def aborting(self, why: str) -> None:
         """Note why the request is being aborted (on the loop, before its final output)."""
@@ -130,8 +132,8 @@ class _Sink:
             return
         self.finished = True
         self._error = error
-        self.timeline.fail(error)
         self._wake()
+        self.timeline.fail(error)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
