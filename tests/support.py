@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 from vllm import EngineArgs, SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 
@@ -36,6 +37,18 @@ async def unfinished(engine: AsyncEngine) -> int:
     """How many requests the LLMEngine still holds, asked between two steps."""
     count: int = await engine.run_on_engine(lambda e: e.get_num_unfinished_requests())
     return count
+
+
+def child_processes() -> set[int]:
+    """Child processes, less multiprocessing's resource tracker (it lives as long as we do)."""
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if not any("resource_tracker" in part for part in child.cmdline()):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
 
 
 class FakeEngine:

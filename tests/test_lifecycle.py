@@ -19,21 +19,9 @@ from asynckv import (
     EngineDeadError,
     EngineNotStartedError,
 )
-from support import engine_args
+from support import child_processes, engine_args
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
-
-
-def _children() -> set[int]:
-    """Child processes, less multiprocessing's resource tracker (it lives as long as we do)."""
-    pids = set()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if not any("resource_tracker" in part for part in child.cmdline()):
-                pids.add(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return pids
 
 
 def _engine_cores() -> list[psutil.Process]:
@@ -48,7 +36,7 @@ async def test_start_serves_loop_then_close_with_requests_in_flight(
     model_path: Path,
 ) -> None:
     """The loop runs during start(); close ends every stream and command and leaves no process."""
-    before, threads_before = _children(), _worker_threads()
+    before, threads_before = child_processes(), _worker_threads()
     engine = AsyncEngine.from_engine_args(engine_args(model_path))
     with pytest.raises(EngineNotStartedError):
         engine.generate("too early")
@@ -64,7 +52,7 @@ async def test_start_serves_loop_then_close_with_requests_in_flight(
 
     await asyncio.gather(start, other_work())
     assert served_during_start.is_set()
-    assert _children() - before  # the engine-core process exists
+    assert child_processes() - before  # the engine-core process exists
 
     streams = [engine.generate(f"in flight {i}", LONG) for i in range(10)]
     await engine.run_on_engine(lambda e: None)
@@ -78,7 +66,7 @@ async def test_start_serves_loop_then_close_with_requests_in_flight(
         with contextlib.suppress(EngineClosedError):
             await command
     assert all(c.done() for c in pending)
-    assert not (_children() - before)
+    assert not (child_processes() - before)
     assert _worker_threads() == threads_before  # joined
     await engine.aclose()  # a no-op
     engine.shutdown()  # also a no-op
@@ -90,7 +78,7 @@ async def test_start_serves_loop_then_close_with_requests_in_flight(
 
 async def test_killed_engine_core_fails_everything(model_path: Path) -> None:
     """SIGKILL of the engine-core process ends streams and later calls with EngineDeadError."""
-    before = _children()
+    before = child_processes()
     engine = AsyncEngine.from_engine_args(engine_args(model_path))
     await engine.start()
     (core,) = {p.pid for p in _engine_cores()} - before
@@ -109,7 +97,7 @@ async def test_killed_engine_core_fails_everything(model_path: Path) -> None:
     with pytest.raises(EngineDeadError):
         await engine.check_health()
     await asyncio.wait_for(engine.aclose(), timeout=20)
-    assert not (_children() - before)
+    assert not (child_processes() - before)
 
 
 async def _result(stream: object) -> object:

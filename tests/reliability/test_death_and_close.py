@@ -19,25 +19,13 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineClosedError, EngineDeadError
-from support import FakeEngine, engine_args
+from support import FakeEngine, child_processes, engine_args
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
 def _asynckv_threads() -> int:
     return sum(t.name.startswith("asynckv-") and t.is_alive() for t in threading.enumerate())
-
-
-def _children() -> set[int]:
-    """Child processes, less multiprocessing's resource tracker (it lives as long as we do)."""
-    pids = set()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if not any("resource_tracker" in part for part in child.cmdline()):
-                pids.add(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return pids
 
 
 async def _ending(awaitable: object) -> BaseException | None:
@@ -52,7 +40,7 @@ async def test_killed_engine_core_under_load(
     model_path: Path, figures: Callable[[str], None]
 ) -> None:
     """SIGKILL with 50 streams and pending commands: all end with EngineDeadError within 5 s."""
-    before = _children()
+    before = child_processes()
     engine = AsyncEngine.from_engine_args(engine_args(model_path))
     await engine.start()
     (core,) = {p.pid for p in psutil.Process().children() if "EngineCore" in p.name()} - before
@@ -72,7 +60,7 @@ async def test_killed_engine_core_under_load(
         engine.generate("new")
     closing = time.monotonic()
     await asyncio.wait_for(engine.aclose(), 10)
-    assert not (_children() - before)
+    assert not (child_processes() - before)
     figures(
         f"50 streams + 10 commands ended in {seconds:.2f} s after SIGKILL; "
         f"aclose {time.monotonic() - closing:.2f} s; no child left"
@@ -95,7 +83,7 @@ async def test_step_raises_under_load(figures: Callable[[str], None]) -> None:
 
 async def test_close_under_load(model_path: Path, figures: Callable[[str], None]) -> None:
     """aclose() with 100 streams and queued commands: everything answered, nothing left."""
-    before = _children()
+    before = child_processes()
     threads = _asynckv_threads()
     engine = AsyncEngine.from_engine_args(engine_args(model_path))
     await engine.start()
@@ -108,7 +96,7 @@ async def test_close_under_load(model_path: Path, figures: Callable[[str], None]
     seconds = time.monotonic() - began
     endings = await asyncio.gather(*(_ending(s) for s in streams), *(_ending(c) for c in commands))
     assert all(e is None or isinstance(e, EngineClosedError) for e in endings), endings
-    assert not (_children() - before)
+    assert not (child_processes() - before)
     assert _asynckv_threads() == threads  # the worker is joined, the watchdog gone
     await engine.aclose()  # a no-op
     figures(f"aclose with 100 streams + 20 commands: {seconds:.2f} s, all answered")
