@@ -80,12 +80,16 @@ class StreamOptions(_Body):
 
 
 class CompletionBody(_Body):
-    """The part of OpenAI's completions body that this server understands."""
+    """The part of OpenAI's completions body that this server understands.
+
+    Integers are bounded as OpenAI bounds them: vLLM silently drops a request
+    whose seed doesn't fit in 64 bits, and its engine then waits forever.
+    """
 
     model: str | None = None
     """Accepted for compatibility and otherwise ignored: the server has one model."""
     prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, lt=2**31)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
@@ -94,7 +98,7 @@ class CompletionBody(_Body):
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = (
         None
     )
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     ignore_eos: bool = False
     """vLLM's extension: keep generating past the end-of-sequence token."""
 
@@ -218,7 +222,7 @@ def create_app(engine_args: EngineArgs, model_name: str | None = None) -> FastAP
             return _unavailable(exc)
         finally:
             if owned is not None:
-                await owned.aclose()
+                await _close(owned)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(body: ResetBody | None = None) -> Any:
@@ -334,9 +338,16 @@ async def _events(
         log.exception("stream %s failed", stream.request_id)
         yield _sse(_error_body(f"{type(exc).__name__}: {exc}", "internal_error"))
     finally:
-        # Shielded: a disconnect arrives as a cancellation of this very task.
-        with anyio.move_on_after(_ABORT_WAIT_SECONDS, shield=True):
-            await stream.aclose()
+        await _close(stream)
+
+
+async def _close(stream: RequestStream) -> None:
+    """Abort the request if unfinished and wait, boundedly, for its stream to end.
+
+    Shielded: a disconnect can arrive as a cancellation of the calling task.
+    """
+    with anyio.move_on_after(_ABORT_WAIT_SECONDS, shield=True):
+        await stream.aclose()
 
 
 class _EventStream(StreamingResponse):

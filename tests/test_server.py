@@ -322,6 +322,8 @@ BAD_BODIES: list[tuple[str, str]] = [
     ('{"prompt": "x", "stream": "yes"}', "stream"),
     ('{"prompt": "x", "stop": [""]}', "stop"),
     ('{"prompt": "x", "seed": 1.5}', "seed"),
+    ('{"prompt": "x", "seed": 18446744073709551616}', "seed"),
+    ('{"prompt": "x", "max_tokens": 1180591620717411303424}', "max_tokens"),
     ('{"prompt": "x", "max_token": 8}', "max_token: Extra inputs are not permitted"),
 ]
 
@@ -336,6 +338,27 @@ async def test_bad_body(client: httpx.AsyncClient, body: str, message: str) -> N
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert message in error["message"]
+
+
+ODD_BODIES: list[dict[str, Any]] = [
+    {"seed": -(2**63)},
+    {"seed": 2**63 - 1},
+    {"prompt": "nul \u0000 and emoji \U0001f600 and <s></s><unk>"},
+    {"temperature": 1e-30, "top_p": 1e-9},
+    {"n": 16},
+    {"stop": ["e", "a", "o"]},
+    {"max_tokens": 2**31 - 1},
+]
+
+
+@pytest.mark.parametrize("extra", ODD_BODIES)
+async def test_odd_but_valid_body(client: httpx.AsyncClient, extra: dict[str, Any]) -> None:
+    """Edge values the body allows are served, and the engine stays healthy."""
+    body = {"prompt": "Edge", "max_tokens": 4, **extra}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == body.get("n", 1)
+    assert (await client.get("/health")).status_code == 200
 
 
 async def test_bad_reset_body(client: httpx.AsyncClient) -> None:
