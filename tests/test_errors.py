@@ -49,6 +49,11 @@ BAD_REQUESTS: dict[str, tuple[Callable[[AsyncEngine], RequestStream], type[Excep
         "LoRA is not enabled",
     ),
     "not a prompt": (lambda e: e.generate(12345, OK), Exception, ""),
+    "seed beyond 64 bits": (
+        lambda e: e.generate("x", SamplingParams(max_tokens=2, seed=2**70)),
+        ValueError,
+        "64 bits",
+    ),
 }
 
 

@@ -44,6 +44,9 @@ class Outbox:
             batch = self._batches[loop] = []
         batch.append((fn, args))
 
+    def __bool__(self) -> bool:
+        return bool(self._batches)
+
     def flush(self) -> list[asyncio.AbstractEventLoop]:
         """Send each loop its batch in one call; return the loops that are closed."""
         closed = []

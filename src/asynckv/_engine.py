@@ -163,6 +163,7 @@ class AsyncEngine:
 
         Raises:
             TypeError: ``sampling_params`` or ``request_id`` has the wrong type.
+            ValueError: a ``seed`` beyond 64 bits (vLLM would hang on it).
             EngineClosedError, EngineDeadError, EngineNotStartedError: at once.
         """
         loop = asyncio.get_running_loop()
@@ -170,6 +171,10 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             kind = type(params).__name__
             raise TypeError(f"sampling_params must be a SamplingParams, not {kind}")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            # vLLM 0.32 accepts it, then its engine core drops the request and
+            # step() never returns: refuse it here.
+            raise ValueError(f"seed must fit in 64 bits, got {params.seed}")
         rid = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(rid, str):
             raise TypeError(f"request_id must be a str, not {type(rid).__name__}")
@@ -355,18 +360,25 @@ class AsyncEngine:
         Raises:
             EngineClosedError: the engine was closed.
             EngineDeadError: the engine died.
-            EngineStalledError: requests are unfinished, nothing holds the engine
-                (``paused()``, a "keep" pause) and no step has completed for
-                longer than ``stall_timeout`` seconds.
+            EngineStalledError: a ``step()`` has been running for longer than
+                ``stall_timeout`` seconds, or requests are unfinished, nothing
+                holds the engine (``paused()``, a "keep" pause) and no step has
+                completed for that long.
         """
         self._check_open()
         worker = self._worker
         if (error := worker.dead_error) is not None:
             raise error
-        if stall_timeout is None or not worker.in_flight or worker.held:
+        if stall_timeout is None:
             return
-        last = max(worker.last_step_end or 0.0, worker.busy_since)
-        idle = time.perf_counter() - last
+        now = time.perf_counter()
+        stepping = worker.in_step_since
+        if stepping is not None and now - stepping > stall_timeout:
+            # A step that doesn't return stalls everything, whatever we track.
+            raise EngineStalledError(now - stepping, worker.in_flight)
+        if not worker.in_flight or worker.held:
+            return
+        idle = now - max(worker.last_step_end or 0.0, worker.busy_since)
         if idle > stall_timeout:
             raise EngineStalledError(idle, worker.in_flight)
 

@@ -85,6 +85,7 @@ class Worker:
         self.step_seconds_avg = 0.0
         self.last_step_end: float | None = None
         self.busy_since = 0.0  # when the worker last went from no request to some
+        self.in_step_since: float | None = None  # when the step() now running began
         self.loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self._build = build
         self._engine: LLMEngine | None = None
@@ -229,9 +230,15 @@ class Worker:
                     fail_all([command, *commands], self.dead_error or exc)
                     outbox.flush()
                     raise
+            if outbox:
+                # Answer the commands before stepping: a step can take long, or
+                # (a request vLLM took but its core dropped) never return.
+                for loop in outbox.flush():
+                    self._forget_loop(engine, loop)
             if self._may_step(engine) and not inbox.closed:
-                began = time.perf_counter()
+                began = self.in_step_since = time.perf_counter()
                 outputs = engine.step()
+                self.in_step_since = None
                 self._count_step(began)
                 self._dispatch(outputs, outbox)
                 self._after_step(engine, outbox)
@@ -345,6 +352,10 @@ class Worker:
         except VllmEngineDeadError:
             raise
         except Exception as exc:  # bad input: this caller's problem only
+            # add_request may have registered the request before raising; left
+            # there, it would make the worker step for a request that never runs.
+            with contextlib.suppress(Exception):
+                engine.abort_request([request_id])
             outbox.post(command.sink.loop, command.sink.fail, exc)
             return
         with self._lock:
