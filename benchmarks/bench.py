@@ -53,6 +53,7 @@ from asynckv import AsyncEngine
 from asynckv.testing import tiny_model
 
 DRIVERS = ("raw", "asyncllm", "asynckv")
+COLORS = {"raw": "C0", "asyncllm": "C1", "asynckv": "C2"}  # one color per driver in every panel
 
 
 @dataclass
@@ -392,9 +393,21 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ns = [int(n) for n in results["main"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for d in DRIVERS:
-        left.plot(ns, [results["main"][str(n)][d]["tok_per_s"] for n in ns], "o-", label=d)
+        left.plot(
+            ns,
+            [results["main"][str(n)][d]["tok_per_s"] for n in ns],
+            "o-",
+            label=d,
+            color=COLORS[d],
+        )
         if d != "raw":
-            right.plot(ns, [results["main"][str(n)][d]["lag_p99_ms"] for n in ns], "o-", label=d)
+            right.plot(
+                ns,
+                [results["main"][str(n)][d]["lag_p99_ms"] for n in ns],
+                "o-",
+                label=d,
+                color=COLORS[d],
+            )
     for ax, title, unit in (
         (left, "throughput", "output tokens/s"),
         (right, "event-loop lag p99", "ms"),
