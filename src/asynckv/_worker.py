@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import threading
 import time
 import weakref
@@ -25,7 +24,6 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from vllm.v1.engine import FinishReason
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
 from ._commands import (
@@ -47,12 +45,19 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
     from vllm import LLMEngine
-    from vllm.outputs import RequestOutput
 
     from ._stream import _Sink
 
 from ._inbox import Inbox
 from ._log import emit, enabled
+from ._vllm import (
+    abort_outputs,
+    engine_processes,
+    exit_status,
+    pause_core_scheduler,
+    resume_core_scheduler,
+    unblock_step,
+)
 
 __all__ = ("Worker",)
 
@@ -193,7 +198,7 @@ class Worker:
             self.die(exc)
             outbox.flush()
             return
-        self._processes = _engine_processes(engine)
+        self._processes = engine_processes(engine)
         if self._processes:
             threading.Thread(target=self._watch, name="asynckv-watchdog", daemon=True).start()
         emit(
@@ -381,7 +386,7 @@ class Worker:
         if route is None:
             return  # unknown or finished: a no-op
         outbox.post(route.loop, route.sink.aborting, why)
-        for out in _abort_outputs(engine, request_id):
+        for out in abort_outputs(engine, request_id):
             outbox.post(route.loop, route.sink.push, out)
             self.outputs_delivered += 1
         # Runs after the pushes; a no-op if one of them was final.
@@ -415,11 +420,9 @@ class Worker:
                 self._abort(engine, request_id, outbox, "paused")
         elif pause.mode == "keep":
             self._keep = True
-            core = engine.engine_core
-            if hasattr(core, "call_utility"):
-                # Multiprocess: the engine core steps on its own, ahead of step();
-                # not calling step() would not freeze it, so pause its scheduler.
-                core.call_utility("pause_scheduler", "keep", pause.clear_cache)
+            # Multiprocess: the engine core steps on its own, ahead of step();
+            # not calling step() would not freeze it, so pause its scheduler.
+            if pause_core_scheduler(engine, pause.clear_cache):
                 self._core_paused = True
             elif pause.clear_cache:
                 engine.reset_prefix_cache(reset_running_requests=True)
@@ -446,7 +449,7 @@ class Worker:
 
     def _resume(self, engine: LLMEngine, outbox: Outbox) -> None:
         if self._core_paused:
-            engine.engine_core.call_utility("resume_scheduler")
+            resume_core_scheduler(engine)
             self._core_paused = False
         self.admission_paused = False
         self._keep = False
@@ -485,30 +488,12 @@ class Worker:
                 continue
             process = by_sentinel[ready[0]]  # type: ignore[index]
             process.join(1.0)  # the sentinel fires before the exit code is reaped
-            status = _exit_status(process.exitcode)
+            status = exit_status(process.exitcode)
             cause = ChildProcessError(f"engine process {process.name} (pid {process.pid}) {status}")
             self.die(cause)
-            self._unblock(cause)
+            if self._engine is not None:
+                unblock_step(self._engine, cause)
             return
-
-    def _unblock(self, cause: BaseException) -> None:
-        # The one exception to "only the worker touches the engine": a put on the
-        # thread-safe queue that a blocked get_output() waits on, so step() raises.
-        engine = self._engine
-        queue = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
-        if queue is not None:
-            queue.put_nowait(cause)
-
-
-def _exit_status(code: int | None) -> str:
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
-        except ValueError:
-            pass
-    return f"exited with code {code}"
 
 
 def _fail_future(reply: Reply) -> Callable[[BaseException], None]:
@@ -524,38 +509,3 @@ def _fail_waiting(waiting: _Waiting, error: BaseException) -> None:
     for loop, fail in waiting:
         outbox.post(loop, fail, error)
     outbox.flush()
-
-
-def _abort_outputs(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
-    """Make the final "abort" outputs that vLLM makes for AsyncLLM but not for LLMEngine.
-
-    They come from vLLM's own ``RequestState.make_request_output``, so they
-    follow the request's output kind and ``n`` exactly as a finished output would.
-    """
-    processor = engine.output_processor
-    outputs: list[RequestOutput] = []
-    # Internals of vLLM's output processor: if another version lays them out
-    # differently, the stream makes its own final "abort" output instead.
-    mapping = getattr(processor, "external_req_ids", None)
-    if mapping is None:
-        return outputs
-    for internal_id in list(mapping.get(request_id, ())):
-        state = processor.request_states.get(internal_id)
-        if state is None:
-            continue
-        out = state.make_request_output(
-            new_token_ids=[],
-            pooling_output=None,
-            finish_reason=FinishReason.ABORT,
-            stop_reason=None,
-        )
-        if out is not None:
-            outputs.append(out)
-    return outputs
-
-
-def _engine_processes(engine: LLMEngine) -> list[BaseProcess]:
-    """The engine-core processes of a multiprocess-mode engine (none in-process)."""
-    resources = getattr(engine.engine_core, "resources", None)
-    manager = getattr(resources, "engine_manager", None)
-    return list(getattr(manager, "processes", ()))
