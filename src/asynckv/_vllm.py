@@ -9,6 +9,7 @@ right after the engine is built; ``unblock_step`` on the watchdog thread.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from typing import TYPE_CHECKING
 
@@ -83,11 +84,19 @@ def unblock_step(engine: LLMEngine, cause: BaseException) -> None:
     """Make a ``step()`` blocked on a dead engine-core process raise ``cause``.
 
     The one exception to "only the worker touches the engine": a put on the
-    thread-safe queue that the blocked ``get_output()`` waits on.
+    thread-safe queue that a blocked ``get_output()`` waits on, and the
+    thread-safe futures that blocked utility calls wait on.
     """
-    queue = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
+    core = getattr(engine, "engine_core", None)
+    queue = getattr(core, "outputs_queue", None)
     if queue is not None:
         queue.put_nowait(cause)
+    # A utility call (a reset, a pause of the core, ...) waits on its own future,
+    # which a dead core never answers: fail those too.
+    with contextlib.suppress(Exception):
+        for future in list(getattr(core, "utility_results", {}).values()):
+            if not future.done():
+                future.set_exception(cause)
 
 
 def exit_status(code: int | None) -> str:
