@@ -8,10 +8,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
+import pytest
 from vllm import EngineArgs, SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 
-from asynckv import AsyncEngine
+from asynckv import AsyncEngine, RequestStream
 
 
 def engine_args(model: Path, **overrides: object) -> EngineArgs:
@@ -31,6 +32,26 @@ def start_engine(args: EngineArgs) -> AsyncEngine:
     engine = AsyncEngine.from_engine_args(args)
     asyncio.run(engine.start())
     return engine
+
+
+async def result(stream: RequestStream) -> RequestOutput:
+    """Await a stream: a coroutine, for ``create_task`` and ``wait_for``."""
+    return await stream
+
+
+async def cancel_while_iterating(stream: RequestStream) -> None:
+    """Iterate ``stream`` in a task and cancel that task once it has had an output."""
+    got = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in stream:
+            got.set()
+
+    task = asyncio.create_task(consume())
+    await got.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 async def unfinished(engine: AsyncEngine) -> int:

@@ -13,7 +13,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine
-from support import unfinished
+from support import cancel_while_iterating, result, unfinished
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
@@ -39,7 +39,7 @@ async def test_cancel_mid_request(engine: AsyncEngine) -> None:
 async def test_cancel_awaited_stream(engine: AsyncEngine) -> None:
     """Cancelling ``await stream`` aborts the request."""
     stream = engine.generate("Cancel the await", LONG)
-    task = asyncio.create_task(_await(stream))
+    task = asyncio.create_task(result(stream))
     await engine.run_on_engine(lambda e: None)  # the request is in the engine now
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -47,24 +47,9 @@ async def test_cancel_awaited_stream(engine: AsyncEngine) -> None:
     assert await unfinished(engine) == 0
 
 
-async def _await(stream: object) -> object:
-    return await stream  # type: ignore[misc]
-
-
 async def test_cancel_while_iterating(engine: AsyncEngine) -> None:
     """Cancelling a task blocked in ``async for`` aborts the request."""
-    stream = engine.generate("Cancel the loop", LONG)
-    got = asyncio.Event()
-
-    async def consume() -> None:
-        async for _ in stream:
-            got.set()
-
-    task = asyncio.create_task(consume())
-    await got.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_while_iterating(engine.generate("Cancel the loop", LONG))
     assert await unfinished(engine) == 0
 
 

@@ -19,7 +19,7 @@ from asynckv import (
     EngineDeadError,
     EngineNotStartedError,
 )
-from support import child_processes, engine_args
+from support import child_processes, engine_args, result
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
@@ -87,7 +87,7 @@ async def test_killed_engine_core_fails_everything(model_path: Path) -> None:
     os.kill(core, signal.SIGKILL)
     for stream in streams:
         with pytest.raises(EngineDeadError) as info:
-            await asyncio.wait_for(_result(stream), timeout=10)
+            await asyncio.wait_for(result(stream), timeout=10)
         assert "engine process EngineCore" in str(info.value)
         assert "killed by SIGKILL" in str(info.value)
         assert isinstance(info.value.__cause__, ChildProcessError)
@@ -98,10 +98,6 @@ async def test_killed_engine_core_fails_everything(model_path: Path) -> None:
         await engine.check_health()
     await asyncio.wait_for(engine.aclose(), timeout=20)
     assert not (child_processes() - before)
-
-
-async def _result(stream: object) -> object:
-    return await stream  # type: ignore[misc]
 
 
 async def test_start_failure_raises_the_engine_error(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineDeadError, EngineStalledError
-from support import FakeEngine
+from support import FakeEngine, cancel_while_iterating
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -63,17 +63,7 @@ async def test_aborted_and_cancelled_request_events(
     await explicit
 
     cancelled = engine.generate("cancel me", long)
-    got = asyncio.Event()
-
-    async def consume() -> None:
-        async for _ in cancelled:
-            got.set()
-
-    task = asyncio.create_task(consume())
-    await got.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_while_iterating(cancelled)
     await engine.run_on_engine(lambda e: None)
     await asyncio.sleep(0)  # the abort output reaches the loop in the pass's batch
 

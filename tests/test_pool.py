@@ -29,7 +29,7 @@ from asynckv import (
     EngineNotStartedError,
     RequestStream,
 )
-from support import FakeEngine, engine_args, unfinished
+from support import FakeEngine, engine_args, result, unfinished
 
 FIVE = SamplingParams(max_tokens=5)
 PREFIX = "A robot may not injure a human being or, through inaction, allow harm. " * 4
@@ -282,7 +282,7 @@ async def test_killed_engine_fails_only_its_own(pair: Pair) -> None:
     for stream, owner in zip(streams, owners, strict=True):
         if owner == dead:
             with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
-                await asyncio.wait_for(_result(stream), timeout=20)
+                await asyncio.wait_for(result(stream), timeout=20)
     for stream, owner in zip(streams, owners, strict=True):
         if owner != dead:
             assert (await stream).outputs[0].finish_reason == "abort"
@@ -292,7 +292,3 @@ async def test_killed_engine_fails_only_its_own(pair: Pair) -> None:
     assert all(len(o.outputs[0].token_ids) == 5 for o in await asyncio.gather(*later))
     results = await pool.reset_prefix_cache()
     assert results[dead] is False and results[1 - dead] is True
-
-
-async def _result(stream: RequestStream) -> object:
-    return await stream

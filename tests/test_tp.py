@@ -19,7 +19,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
-from support import engine_args, start_engine, unfinished
+from support import engine_args, result, start_engine, unfinished
 
 pytestmark = pytest.mark.engine
 
@@ -129,7 +129,7 @@ async def test_abort_and_cancel(tp_engine: AsyncEngine) -> None:
     assert final.outputs[0].finish_reason == "abort"
     assert len(final.outputs[0].token_ids) < 400
 
-    cancelled = asyncio.ensure_future(_result(tp_engine.generate("cancelled", long)))
+    cancelled = asyncio.ensure_future(result(tp_engine.generate("cancelled", long)))
     await asyncio.sleep(0.2)
     cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -162,10 +162,6 @@ async def _drained(engine: AsyncEngine) -> bool:
     return False
 
 
-async def _result(stream: object) -> object:
-    return await stream  # type: ignore[misc]
-
-
 async def test_killed_rank_kills_the_engine(tp_engine: AsyncEngine) -> None:
     """SIGKILL of one rank's process ends every stream with EngineDeadError (runs last)."""
     long = SamplingParams(max_tokens=400, **GREEDY)
@@ -181,7 +177,7 @@ async def test_killed_rank_kills_the_engine(tp_engine: AsyncEngine) -> None:
     os.kill(rank, signal.SIGKILL)
     for stream in streams:
         with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(_result(stream), timeout=30)
+            await asyncio.wait_for(result(stream), timeout=30)
     assert tp_engine.errored
     with pytest.raises(EngineDeadError):
         tp_engine.generate("after death")

@@ -188,8 +188,9 @@ class RequestStream:
     every exit from the block, even a cancellation before the stream was
     first awaited. Every path away from an unfinished stream aborts the
     request in the engine before its next step: cancelling the task that
-    awaits or iterates it, ``break`` out of ``async for`` (the iterator is dropped), ``aclose()``,
-    and garbage collection (which also warns with ``ResourceWarning``).
+    awaits or iterates it, ``break`` out of ``async for`` (the iterator is
+    dropped), ``aclose()``, and garbage collection (which also warns with
+    ``ResourceWarning``).
     Every stream ends with a final output or an exception: ``EngineDeadError``,
     ``EngineClosedError`` or the engine's own error for a bad request.
     """
@@ -223,9 +224,8 @@ class RequestStream:
 
     async def _next(self) -> RequestOutput:
         # The hot path: one coroutine per output, no future when one is pending.
+        self._check_loop()
         sink = self._sink
-        if asyncio.get_running_loop() is not sink.loop:
-            self._check_loop()
         while (out := sink.take()) is None:
             try:
                 await sink.wait()
