@@ -53,7 +53,9 @@ from asynckv import AsyncEngine
 from asynckv.testing import tiny_model
 
 DRIVERS = ("raw", "asyncllm", "asynckv")
-COLORS = {"raw": "C0", "asyncllm": "C1", "asynckv": "C2"}  # one color per driver in every panel
+# asynckv again, on the same engine, with a lower sys.setswitchinterval (--switch-interval).
+SWITCH_DRIVER = "asynckv_si"
+COLORS = {"raw": "C0", "asyncllm": "C1", "asynckv": "C2", SWITCH_DRIVER: "C3"}
 
 
 @dataclass
@@ -67,7 +69,9 @@ class Run:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     lag: list[float] = field(default_factory=list)
+    gil: list[float] = field(default_factory=list)
     cpu_seconds: float = 0.0
+    thread_cpu: dict[str, float] = field(default_factory=dict)
     rss_growth: int = 0
 
 
@@ -88,32 +92,97 @@ def make_workload(
     return Workload(prompts, params)
 
 
-class RssSampler:
-    """Samples this process's RSS on a thread until stopped; keeps the growth.
+class Probe:
+    """Watches this process during one run, on a thread of its own.
 
-    All drivers share one process, so the peak above the RSS at the start of
-    a run is what that run added.
+    - RSS: sampled every 20 ms; all drivers share one process, so the peak
+      above the RSS at the start of a run is what that run added.
+    - GIL wait: the thread sleeps 2 ms in a loop and records how late each
+      wake-up is. Waking needs the GIL, so with free cores the lateness is
+      the time spent waiting for it: what any thread of the process (the
+      asynckv worker, vLLM's output thread) waits while another holds it.
+    - CPU by thread: each Python thread's CPU clock during the run, grouped
+      by role (see ``_role``); threads started outside Python (zmq's, torch's)
+      count as "other". The probe's own CPU is left out of every figure.
     """
 
     def __init__(self) -> None:
         self.start = 0
         self.peak = 0
+        self.gil_waits: list[float] = []
+        self.thread_cpu: dict[str, float] = {}
+        self._cpu0: dict[str, float] = {}
+        self._probe_cpu = 0.0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="bench-probe", daemon=True)
         self._process = psutil.Process()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self._process.memory_info().rss)
+        tick = 0
+        while not self._stop.is_set():
+            before = time.perf_counter()
+            time.sleep(0.002)
+            self.gil_waits.append(max(0.0, time.perf_counter() - before - 0.002))
+            tick += 1
+            if tick % 10 == 0:
+                self.peak = max(self.peak, self._process.memory_info().rss)
+        self._probe_cpu = time.thread_time()  # this thread's CPU, taken out of the figures
 
-    def __enter__(self) -> RssSampler:
+    @staticmethod
+    def _cpu() -> dict[str, float]:
+        """CPU seconds so far: the whole process, and each Python thread by role."""
+        spent = {"process": time.process_time()}
+        for thread in threading.enumerate():
+            if thread.ident is None:
+                continue
+            try:
+                clock = time.pthread_getcpuclockid(thread.ident)
+                seconds = time.clock_gettime(clock)
+            except OSError:  # the thread ended meanwhile
+                continue
+            role = _role(thread)
+            spent[role] = spent.get(role, 0.0) + seconds
+        return spent
+
+    def __enter__(self) -> Probe:
         self.start = self.peak = self._process.memory_info().rss
+        self._cpu0 = self._cpu()
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+        # The probe's own thread had no clock at the start: count it all.
+        self._cpu0.setdefault("probe", 0.0)
+        cpu1 = self._cpu()
+        cpu1.setdefault("probe", self._probe_cpu)
+        spent = {role: cpu1.get(role, 0.0) - self._cpu0.get(role, 0.0) for role in cpu1}
+        # Threads started outside Python (zmq's, torch's) are in "other" with the rest.
+        named = sum(v for k, v in spent.items() if k not in ("process", "other", "probe"))
+        self.thread_cpu = {k: v for k, v in spent.items() if k not in ("process", "other")}
+        self.thread_cpu["other"] = spent["process"] - named - spent["probe"]
+
+    def fill(self, run: Run) -> None:
+        """Copy what was watched into ``run``."""
+        run.rss_growth = self.peak - self.start
+        run.gil = self.gil_waits
+        run.thread_cpu = {k: v for k, v in self.thread_cpu.items() if k != "probe"}
+        run.cpu_seconds = sum(run.thread_cpu.values())
+
+
+def _role(thread: threading.Thread) -> str:
+    """Which part of the process a thread is: the ones whose CPU the report shows."""
+    if thread is threading.main_thread():
+        return "main"  # the event loop, or the raw driver's stepping loop
+    if thread.name == "asynckv-engine":
+        return "worker"  # asynckv's worker thread: step() and output processing
+    if thread.name == "bench-probe":
+        return "probe"  # left out of the CPU figures
+    if thread.name == "EngineCoreOutputQueueThread":
+        return "vllm_io"  # a sync engine's thread that decodes the core's outputs
+    return "other"
 
 
 async def measure_lag(stop: asyncio.Event, lags: list[float]) -> None:
@@ -138,8 +207,8 @@ def run_raw(engine: LLMEngine, work: Workload, concurrency: int) -> Run:
     arrivals: dict[str, float] = {}
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
     tokens = 0
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    with RssSampler() as rss:
+    t0 = time.perf_counter()
+    with Probe() as probe:
         for rid, prompt in zip(ids, work.prompts, strict=False):
             arrivals[rid] = time.perf_counter()
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), work.params)
@@ -151,8 +220,7 @@ def run_raw(engine: LLMEngine, work: Workload, concurrency: int) -> Run:
                 if out.finished:
                     tokens += len(out.outputs[0].token_ids)
     run = Run("raw", concurrency, time.perf_counter() - t0, tokens)
-    run.cpu_seconds = time.process_time() - cpu0
-    run.rss_growth = rss.peak - rss.start
+    probe.fill(run)
     for rid in ids:
         run.ttft.append(stamps[rid][0] - arrivals[rid])
         run.itl.extend(gaps(stamps[rid]))
@@ -188,12 +256,11 @@ async def _drive(
         run.itl.extend(gaps(stamps))
         return tokens
 
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    with RssSampler() as rss:
+    t0 = time.perf_counter()
+    with Probe() as probe:
         counts = await asyncio.gather(*(one(p) for p in work.prompts[:concurrency]))
     run.seconds = time.perf_counter() - t0
-    run.cpu_seconds = time.process_time() - cpu0
-    run.rss_growth = rss.peak - rss.start
+    probe.fill(run)
     run.output_tokens = sum(counts)
     stop.set()
     await lag_task
@@ -238,7 +305,16 @@ def summarise(run: Run) -> dict[str, float]:
         "lag_p50_ms": pct(run.lag, 50) * 1e3,
         "lag_p99_ms": pct(run.lag, 99) * 1e3,
         "lag_max_ms": max(run.lag) * 1e3 if run.lag else float("nan"),
+        "gil_wait_p50_ms": pct(run.gil, 50) * 1e3,
+        "gil_wait_p99_ms": pct(run.gil, 99) * 1e3,
+        "gil_wait_max_ms": max(run.gil) * 1e3 if run.gil else float("nan"),
         "cpu_s_per_1k_tok": run.cpu_seconds / run.output_tokens * 1e3,
+        # Share of one core each role used over the run: main + worker + vllm_io
+        # near 1.0 means the process is bound by the GIL, not by the engine.
+        **{
+            f"cpu_share_{role}": run.thread_cpu.get(role, 0.0) / run.seconds
+            for role in ("main", "worker", "vllm_io", "other")
+        },
         "rss_growth_mib": run.rss_growth / 2**20,
         "output_tokens": float(run.output_tokens),
     }
@@ -284,25 +360,37 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         detokenize=not args.skip_tokenizer_init,
     )
 
-    results: dict[str, Any] = {"settings": vars(args) | {"model": model}, "main": {}}
+    drivers = [*DRIVERS, *([SWITCH_DRIVER] if args.switch_interval is not None else [])]
+    results: dict[str, Any] = {
+        "settings": vars(args) | {"model": model},
+        "drivers": drivers,
+        "main": {},
+    }
     try:
         # Warm every engine (first steps compile and allocate) before measuring.
         run_raw(raw, work, 4)
         await run_asyncllm(llm, work, 4)
         await run_asynckv(kv, work, 4)
         for n in args.concurrency:
-            runs: dict[str, list[Run]] = {d: [] for d in DRIVERS}
+            runs: dict[str, list[Run]] = {d: [] for d in drivers}
             for rep in range(args.reps):
                 runs["raw"].append(run_raw(raw, work, n))
                 runs["asyncllm"].append(await run_asyncllm(llm, work, n))
                 runs["asynckv"].append(await run_asynckv(kv, work, n))
+                if args.switch_interval is not None:
+                    default = sys.getswitchinterval()
+                    sys.setswitchinterval(args.switch_interval / 1e3)
+                    try:
+                        run = await run_asynckv(kv, work, n)
+                    finally:
+                        sys.setswitchinterval(default)
+                    run.driver = SWITCH_DRIVER
+                    runs[SWITCH_DRIVER].append(run)
                 print(f"  c={n} rep={rep + 1}/{args.reps} done", file=sys.stderr)
             results["main"][str(n)] = {d: medians(r) for d, r in runs.items()}
-            for d in DRIVERS:
-                if d == "raw":
-                    results["main"][str(n)][d].update(
-                        {"lag_p50_ms": None, "lag_p99_ms": None, "lag_max_ms": None}
-                    )
+            results["main"][str(n)]["raw"].update(
+                {"lag_p50_ms": None, "lag_p99_ms": None, "lag_max_ms": None}
+            )
             # Keep what is measured so far: a run cut short still leaves its sizes.
             save_json(results, args.out)
             print(ratio_table(results), file=sys.stderr)
@@ -381,6 +469,31 @@ def ratio_table(results: dict[str, Any]) -> str:
             f"{raw['cpu_s_per_1k_tok']:>6.3f}/{al['cpu_s_per_1k_tok']:>6.3f}/"
             f"{kv['cpu_s_per_1k_tok']:>6.3f}"
         )
+    lines.append("")
+    lines.append(gil_table(results))
+    return "\n".join(lines)
+
+
+def gil_table(results: dict[str, Any]) -> str:
+    """Per driver: tok/s over raw, GIL wait, and the share of a core each thread used."""
+    lines = [
+        f"{'streams':>7} {'driver':>11} | {'/raw':>6} | {'GIL wait p50/p99/max ms':>24} | "
+        f"{'lag p99/max ms':>15} | {'core share main/worker/vllm_io':>31}"
+    ]
+    for n, row in results["main"].items():
+        for d, m in row.items():
+            lag = (
+                f"{m['lag_p99_ms']:>6.2f}/{m['lag_max_ms']:>7.1f}"
+                if m.get("lag_p99_ms") is not None
+                else f"{'-':>15}"
+            )
+            lines.append(
+                f"{n:>7} {d:>11} | {m['tok_per_s'] / row['raw']['tok_per_s']:>6.3f} | "
+                f"{m['gil_wait_p50_ms']:>8.2f}/{m['gil_wait_p99_ms']:>6.2f}/"
+                f"{m['gil_wait_max_ms']:>7.1f} | {lag} | "
+                f"{m['cpu_share_main']:>13.2f}/{m['cpu_share_worker']:>6.2f}/"
+                f"{m['cpu_share_vllm_io']:>6.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -392,7 +505,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     ns = [int(n) for n in results["main"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for d in DRIVERS:
+    for d in results["drivers"]:
         left.plot(
             ns,
             [results["main"][str(n)][d]["tok_per_s"] for n in ns],
@@ -449,6 +562,13 @@ def main() -> None:
     gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile")
     parser.add_argument(
         "--no-consumers", action="store_true", help="skip the busy/slow consumer workloads"
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        metavar="MS",
+        help=f"also run asynckv ({SWITCH_DRIVER}) with sys.setswitchinterval(MS / 1000)",
     )
     args = parser.parse_args()
     results = asyncio.run(bench(args))

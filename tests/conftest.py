@@ -3,6 +3,13 @@
 The engines are started with a throwaway event loop and then used from each
 test's own loop, which is itself what asynckv promises: one started engine
 serves any loop.
+
+Markers (applied here): ``engine`` for every test that drives a real vLLM
+engine, ``gpu`` for the tests that need CUDA (tests/test_gpu.py), ``cpu_only``
+for engine tests that assume this machine (set in their modules). With
+``ASYNCKV_TEST_DEVICE=cuda`` (scripts/gpu/README.md) the engines are CUDA
+engines and only ``engine``/``gpu`` tests that are not ``cpu_only`` run;
+otherwise ``gpu`` tests are skipped.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import pytest
 
 from asynckv import AsyncEngine
 from asynckv.testing import tiny_model
-from support import engine_args, start_engine
+from support import ON_GPU, engine_args, start_engine
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +74,31 @@ def figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
     return record
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# A test that takes one of these fixtures drives a real engine.
+_ENGINE_FIXTURES = {"engine", "inproc_engine", "model_path", "demo_engine", "gpu_engine"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "reliability" in item.nodeid:
             item.add_marker(pytest.mark.reliability)
+        if _ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
+    if ON_GPU:
+        # Only the tests that are about the engine: the rest need no GPU.
+        kept = [
+            item
+            for item in items
+            if (item.get_closest_marker("engine") or item.get_closest_marker("gpu"))
+            and not item.get_closest_marker("cpu_only")
+        ]
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+    else:
+        skip = pytest.mark.skip(reason="needs CUDA: ASYNCKV_TEST_DEVICE=cuda on a GPU machine")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,9 +15,17 @@ from vllm.outputs import CompletionOutput, RequestOutput
 
 from asynckv import AsyncEngine, RequestStream
 
+# The suite against a CUDA engine (scripts/gpu/README.md): same tests, GPU engines.
+ON_GPU = os.environ.get("ASYNCKV_TEST_DEVICE") == "cuda"
+
 
 def engine_args(model: Path, **overrides: object) -> EngineArgs:
-    """EngineArgs for the tiny model, small enough for 2 CPU cores."""
+    """EngineArgs for the tiny model, small enough for 2 CPU cores.
+
+    On a GPU (``ON_GPU``) each engine takes a small share of the card, so the
+    suite's engines fit side by side, and runs eager: CUDA graphs would add
+    their capture to every start and change nothing the tests check.
+    """
     settings: dict[str, object] = {
         "model": str(model),
         "max_model_len": 512,
@@ -24,6 +33,8 @@ def engine_args(model: Path, **overrides: object) -> EngineArgs:
         "seed": 0,
         "disable_log_stats": False,  # vLLM's default: per-request engine timestamps
     }
+    if ON_GPU:
+        settings |= {"gpu_memory_utilization": 0.04, "enforce_eager": True}
     settings.update(overrides)
     return EngineArgs(**settings)
 

@@ -10,7 +10,8 @@ from vllm import EngineArgs, LLMEngine, SamplingParams
 import reset_kv_async
 from asynckv.testing import demo_model
 
-pytestmark = pytest.mark.engine
+# The example builds its engine from vLLM's default settings, sized for this machine.
+pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
 
 ROBOT = "A robot may not injure a human being " * 50
 

@@ -27,7 +27,8 @@ import openai
 import psutil
 import pytest
 
-pytestmark = pytest.mark.engine
+# The server runs as a subprocess with vLLM's default engine settings, sized for this machine.
+pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
 
 SERVER = Path(__file__).resolve().parents[1] / "examples" / "server.py"
 STARTUP_TRIES = 240  # one a second: engine start takes 15-70 s on 2 busy cores

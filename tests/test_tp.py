@@ -21,7 +21,8 @@ from vllm.sampling_params import RequestOutputKind
 from asynckv import AsyncEngine, EngineDeadError
 from support import engine_args, result, start_engine, unfinished
 
-pytestmark = pytest.mark.engine
+# Two tensor-parallel ranks need two devices: here, two CPU ranks; the device tool lends one GPU.
+pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # Both engines compute in float32. In bfloat16 (the model's own dtype) TP=2 sums

@@ -154,6 +154,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.cpu_only  # the script builds its engine from vLLM's defaults, sized for this machine
 @pytest.mark.parametrize("how", ["ctrl-c", "no-close"])
 def test_script_exits_cleanly(
     how: str, model_path: Path, tmp_path: Path, figures: Callable[[str], None]
