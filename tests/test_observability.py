@@ -10,9 +10,13 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 from vllm import SamplingParams
+from vllm.v1.metrics.stats import RequestStateStats
 
 from asynckv import AsyncEngine, EngineDeadError, EngineStalledError
 from support import FakeEngine, cancel_while_iterating
+
+# vLLM 0.26 (the GPU run's) doesn't count preemptions: then the count is unknown, not 0.
+COUNTS_PREEMPTIONS = hasattr(RequestStateStats(), "num_preemptions")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -46,7 +50,8 @@ async def test_finished_request_events_and_metrics(
     assert finished["prompt_tokens"] == len(out.prompt_token_ids or [])
     assert finished["log_level"] == "info"
     m = stream.metrics
-    assert m is not None and m.output_tokens == 8 and m.preemptions == 0
+    assert m is not None and m.output_tokens == 8
+    assert m.preemptions == (0 if COUNTS_PREEMPTIONS else None)
     assert m.ttft is not None and m.ttft >= 0
     assert m.first_token is not None and m.last_token is not None
     assert m.last_token >= m.first_token
@@ -85,7 +90,8 @@ async def test_reset_preempted_request_events(
     assert reset["requests_preempted"] == 1
     assert events_of(logs, stream.request_id)[-1] == "request finished"
     assert len(out.outputs[0].token_ids) == 30
-    assert stream.metrics is not None and stream.metrics.preemptions == 1
+    assert stream.metrics is not None
+    assert stream.metrics.preemptions == (1 if COUNTS_PREEMPTIONS else None)
 
 
 async def test_engine_dead_logged_once_with_traceback(logs: list[MutableMapping[str, Any]]) -> None:
@@ -180,7 +186,7 @@ async def test_metrics_tolerate_other_engine_stats(logs: list[MutableMapping[str
     fake.metrics = _Stats()
     a, b = (engine.generate(r, SamplingParams(max_tokens=3)) for r in "ab")
     await asyncio.gather(a, b)
-    assert a.metrics is not None and a.metrics.preemptions == 0
+    assert a.metrics is not None and a.metrics.preemptions is None
     fake.metrics = _BrokenStats()
     c, d = (engine.generate(r, SamplingParams(max_tokens=3)) for r in "cd")
     outs = await asyncio.gather(c, d)

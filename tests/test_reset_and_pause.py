@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from vllm import SamplingParams
 
@@ -134,3 +136,31 @@ async def test_step_count_advances(engine: AsyncEngine) -> None:
     before = engine.step_count
     await engine.generate("count", SamplingParams(max_tokens=5, ignore_eos=True))
     assert engine.step_count >= before + 5
+
+
+async def test_commands_do_not_wait_for_the_cores_next_output(engine: AsyncEngine) -> None:
+    """With the engine-core process silent, commands and new requests are still served.
+
+    The worker waits for a command *or* the core's next output, never inside a
+    blocking ``step()``: here the core's own scheduler is frozen behind the
+    worker's back, so no output comes while a request is unfinished. (Before,
+    the worker sat in ``step()`` and this command was never answered.)
+    """
+    from asynckv._vllm import pause_core_scheduler, resume_core_scheduler
+
+    stream = engine.generate(PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
+    first = aiter(stream)  # kept: dropping an unfinished iterator aborts its request
+    await anext(first)
+    assert await engine.run_on_engine(lambda e: pause_core_scheduler(e, clear_cache=False))
+    try:
+        # No output comes now. (The timeout only keeps a regression from hanging the suite.)
+        count = engine.run_on_engine(lambda e: e.get_num_unfinished_requests())
+        assert await asyncio.wait_for(count, 60) == 1
+        late = engine.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+        count = engine.run_on_engine(lambda e: e.get_num_unfinished_requests())
+        assert await asyncio.wait_for(count, 60) == 2
+    finally:
+        await engine.run_on_engine(resume_core_scheduler)
+    assert len((await late).outputs[0].token_ids) == 4
+    await stream.aclose()
+    assert await unfinished(engine) == 0

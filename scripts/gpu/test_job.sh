@@ -7,6 +7,9 @@
 set -u -o pipefail
 OUT=${OUT:-results/gpu}; mkdir -p "$OUT"
 export ASYNCKV_TEST_DEVICE=cuda
+# The in-process engine initialises CUDA in pytest's own process; an engine-core process forked
+# after that can't use CUDA (vLLM 0.26 doesn't switch to spawn by itself there).
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
 t0=$(date +%s)
 timeout "${TEST_TIMEOUT:-540}" python3 -m pytest tests/test_gpu.py tests -p no:cacheprovider \
   --timeout 150 -q -rfEs --junitxml "$OUT/tests.xml" "$@" 2>&1 \

@@ -3,6 +3,8 @@
 Any thread may ``put``; only the worker thread ``take``s. A lock is held just
 for an append (or a swap of the whole queue) and the wake-up, so a loop never
 waits on the worker's work. Commands come out in the order they went in.
+``nudge`` wakes a waiting ``take`` without a command: vLLM's output thread
+uses it to say that the engine core's next output has arrived.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Inbox(Generic[T]):
         self._items: deque[T] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._error: BaseException | None = None
+        self._nudged = False
 
     def put(self, item: T) -> None:
         """Append ``item`` and wake the consumer; raise the closing error if closed."""
@@ -37,15 +40,23 @@ class Inbox(Generic[T]):
             if len(self._items) == 1:
                 self._cond.notify()
 
+    def nudge(self) -> None:
+        """Wake the consumer's ``take``, or its next one, even if nothing is queued."""
+        with self._cond:
+            self._nudged = True
+            self._cond.notify()
+
     def take(self, block: bool) -> deque[T]:
         """Remove and return everything queued now, waiting for one item if ``block``.
 
-        Items put while the caller works on this batch wait for the next call,
-        so a burst of commands can't starve the engine's steps.
+        A ``nudge`` since the last call ends the wait too (then the batch may
+        be empty). Items put while the caller works on this batch wait for the
+        next call, so a burst of commands can't starve the engine's steps.
         """
         with self._cond:
-            while block and not self._items and self._error is None:
+            while block and not self._items and not self._nudged and self._error is None:
                 self._cond.wait()
+            self._nudged = False
             items, self._items = self._items, deque()
             return items
 

@@ -43,8 +43,12 @@ class RequestMetrics:
     """Generated tokens over all ``n`` completions."""
     n: int
     """Completions (the request's ``n``)."""
-    preemptions: int
-    """Times the engine preempted it (a prefix-cache reset of running requests counts)."""
+    preemptions: int | None
+    """Times the engine preempted it (a prefix-cache reset of running requests counts).
+
+    None when not known: vLLM's per-request stats are off (``disable_log_stats``)
+    or this vLLM version does not count preemptions (0.26 doesn't).
+    """
     finish_reason: str | None
     """The first completion's finish reason ("length", "stop", "abort", ...)."""
 
@@ -122,8 +126,7 @@ class Timeline:
             prompt_tokens=len(final.prompt_token_ids or ()),
             output_tokens=tokens,
             n=max(1, len(final.outputs)),
-            # vLLM 0.26's stats have no preemption count.
-            preemptions=int(getattr(stats, "num_preemptions", 0) or 0),
+            preemptions=_count(stats, "num_preemptions"),
             finish_reason=reason,
         )
         if not enabled(logging.INFO):
@@ -157,6 +160,12 @@ def _stamp(stats: Any, name: str) -> float | None:
     """One of vLLM's engine timestamps, if it recorded it (0.0 means it didn't)."""
     value = getattr(stats, name, None) if stats is not None else None
     return float(value) if value else None
+
+
+def _count(stats: Any, name: str) -> int | None:
+    """One of vLLM's per-request counters, if this version keeps it (0.26 has no preemptions)."""
+    value = getattr(stats, name, None) if stats is not None else None
+    return None if value is None else int(value)
 
 
 def _round(value: float | None) -> float | None:

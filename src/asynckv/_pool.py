@@ -100,13 +100,15 @@ class AsyncEnginePool:
         block_tokens: int = 16,
         block_chars: int = 64,
         max_prefixes: int = 65_536,
+        freeze_gc: bool = True,
     ) -> AsyncEnginePool:
         """Make a pool of one engine per ``EngineArgs``; ``start()`` builds them all.
 
-        Does no heavy work. The keyword arguments are those of ``AsyncEnginePool``.
+        Does no heavy work. ``freeze_gc`` is ``AsyncEngine``'s; the other
+        keyword arguments are those of ``AsyncEnginePool``.
         """
         return cls(
-            [AsyncEngine.from_engine_args(args) for args in engine_args],
+            [AsyncEngine.from_engine_args(args, freeze_gc=freeze_gc) for args in engine_args],
             affinity_slack=affinity_slack,
             block_tokens=block_tokens,
             block_chars=block_chars,

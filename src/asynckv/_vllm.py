@@ -4,14 +4,17 @@ Everything here depends on how vLLM (0.32; 0.26 on the GPU) lays out its
 ``LLMEngine`` beyond the public API, so each function degrades to a safe
 answer when an attribute is missing. ``abort_outputs``, ``pause_core_scheduler``
 and ``resume_core_scheduler`` run on the worker thread; ``engine_processes``
-right after the engine is built; ``unblock_step`` on the watchdog thread.
+and ``watch_outputs`` right after the engine is built; ``unblock_step`` on the
+watchdog thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import signal
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.engine import FinishReason
 
@@ -28,6 +31,7 @@ __all__ = (
     "pause_core_scheduler",
     "resume_core_scheduler",
     "unblock_step",
+    "watch_outputs",
 )
 
 
@@ -97,6 +101,30 @@ def unblock_step(engine: LLMEngine, cause: BaseException) -> None:
         for future in list(getattr(core, "utility_results", {}).values()):
             if not future.done():
                 future.set_exception(cause)
+
+
+def watch_outputs(engine: LLMEngine, arrived: Callable[[], None]) -> Callable[[], bool] | None:
+    """Call ``arrived()`` whenever the engine-core process's next output arrives.
+
+    Returns a check for "an output is waiting, so ``step()`` won't block", or
+    None where there is no engine-core process (in-process mode: ``step()``
+    computes) or this vLLM keeps its outputs elsewhere; then ``step()`` is
+    simply called and may block. ``arrived`` runs on vLLM's output thread
+    (``EngineCoreOutputQueueThread``) right after the output is queued.
+    """
+    core = getattr(engine, "engine_core", None)
+    outputs = getattr(core, "outputs_queue", None)
+    if not isinstance(outputs, queue.Queue):
+        return None
+    put = outputs.put
+
+    def put_and_tell(item: Any, block: bool = True, timeout: float | None = None) -> None:
+        put(item, block, timeout)
+        arrived()
+
+    # vLLM's thread calls put_nowait, which calls self.put: this instance's attribute.
+    setattr(outputs, "put", put_and_tell)  # noqa: B010 (mypy forbids assigning a method)
+    return lambda: outputs.qsize() > 0
 
 
 def exit_status(code: int | None) -> str:

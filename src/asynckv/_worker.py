@@ -6,6 +6,13 @@ in FIFO order between two steps, steps only while requests are unfinished and
 nothing holds it, and otherwise sleeps on the inbox, so an idle engine costs
 no CPU. It answers the loops only through an ``Outbox``.
 
+With vLLM's engine-core process, ``step()`` blocks until the core's next
+output. The worker doesn't wait there: it sleeps on the inbox until a command
+*or* that output arrives (vLLM's output thread nudges the inbox), and steps
+only once the output is there. So requests submitted during a step reach the
+engine core at once, not after the step: a burst of ``generate()`` calls
+doesn't trickle in one step at a time.
+
 Two things run elsewhere, under ``Worker._lock``, and touch no engine method:
 ``die`` (called by the worker, or by the watchdog thread when an engine
 process dies) and ``close`` (called by the thread that closes the engine).
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -57,6 +65,7 @@ from ._vllm import (
     pause_core_scheduler,
     resume_core_scheduler,
     unblock_step,
+    watch_outputs,
 )
 
 __all__ = ("Worker",)
@@ -75,7 +84,7 @@ class _Route:
 class Worker:
     """Owns one ``LLMEngine`` on a thread of its own; see the module docstring."""
 
-    def __init__(self, build: Callable[[], LLMEngine]) -> None:
+    def __init__(self, build: Callable[[], LLMEngine], freeze_gc: bool = False) -> None:
         self.inbox: Inbox[Command] = Inbox()
         self.step_count = 0
         """Completed steps; written by the worker only, read by anyone."""
@@ -93,6 +102,7 @@ class Worker:
         self.in_step_since: float | None = None  # when the step() now running began
         self.loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self._build = build
+        self._freeze_gc = freeze_gc
         self._engine: LLMEngine | None = None
         self._processes: list[BaseProcess] = []
         self._closing = threading.Event()
@@ -108,6 +118,8 @@ class Worker:
         self._core_paused = False  # the engine core's own scheduler is paused ("keep")
         self._thread = threading.Thread(target=self._run, name="asynckv-engine", daemon=True)
         self._started: Reply | None = None
+        # Multiprocess mode: whether the core's next output is waiting (see _loop).
+        self._output_ready: Callable[[], bool] | None = None
 
     # -- lifecycle, called from the loop side -------------------------------------
 
@@ -199,6 +211,9 @@ class Worker:
             outbox.flush()
             return
         self._processes = engine_processes(engine)
+        self._output_ready = watch_outputs(engine, self.inbox.nudge)
+        if self._freeze_gc:
+            _freeze_heap()
         if self._processes:
             threading.Thread(target=self._watch, name="asynckv-watchdog", daemon=True).start()
         emit(
@@ -223,7 +238,7 @@ class Worker:
     def _loop(self, engine: LLMEngine) -> None:
         inbox = self.inbox
         while not inbox.closed:
-            commands = inbox.take(block=not self._may_step(engine))
+            commands = inbox.take(block=not self._step_ready(engine))
             outbox = Outbox()
             while commands:
                 command = commands.popleft()
@@ -238,15 +253,27 @@ class Worker:
             if outbox:
                 # Answer the commands before stepping: a step can take long, or
                 # (a request vLLM took but its core dropped) never return.
-                for loop in outbox.flush():
-                    self._forget_loop(engine, loop)
-            if self._may_step(engine) and not inbox.closed:
+                self._flush(engine, outbox)
+            if self._step_ready(engine) and not inbox.closed:
                 began = self.in_step_since = time.perf_counter()
                 outputs = engine.step()
                 self.in_step_since = None
                 self._count_step(began)
                 self._dispatch(outputs, outbox)
                 self._after_step(engine, outbox)
+            self._flush(engine, outbox)
+
+    def _flush(self, engine: LLMEngine, outbox: Outbox) -> None:
+        """Send the loops their answers, then settle what the pass changed.
+
+        A closed loop's requests are aborted here; and whatever ended the last
+        request in flight (a step, an abort, a closed loop) ends a "wait" pause
+        now, not at a step that may never come.
+        """
+        for loop in outbox.flush():
+            self._forget_loop(engine, loop)
+        if self._drain_waiters and not engine.has_unfinished_requests():
+            self._finish_drain(engine, outbox)
             for loop in outbox.flush():
                 self._forget_loop(engine, loop)
 
@@ -262,6 +289,13 @@ class Worker:
 
     def _may_step(self, engine: LLMEngine) -> bool:
         return not self._holds and not self._keep and engine.has_unfinished_requests()
+
+    def _step_ready(self, engine: LLMEngine) -> bool:
+        """Whether to step now: allowed to, and (multiprocess) the core's output is in."""
+        if not self._may_step(engine):
+            return False
+        ready = self._output_ready
+        return ready is None or ready()
 
     def _dispatch(self, outputs: list[Any], outbox: Outbox) -> None:
         routes = self._routes
@@ -287,8 +321,6 @@ class Worker:
             for hold in due:
                 self._holds.add(hold.token)
                 hold.reply.ok(outbox, self.step_count)
-        if self._drain_waiters and not engine.has_unfinished_requests():
-            self._finish_drain(engine, outbox)
 
     # -- commands ------------------------------------------------------------------
 
@@ -309,7 +341,9 @@ class Worker:
             except VllmEngineDeadError:
                 raise
             except Exception as exc:
-                command.reply.fail(outbox, exc)
+                # A call into a core that died meanwhile fails with the watchdog's
+                # cause: report the death, as every other command gets.
+                command.reply.fail(outbox, self.dead_error or exc)
             else:
                 command.reply.ok(outbox, result)
         elif isinstance(command, Hold):
@@ -494,6 +528,19 @@ class Worker:
             if self._engine is not None:
                 unblock_step(self._engine, cause)
             return
+
+
+def _freeze_heap() -> None:
+    """Take everything alive now out of the garbage collector's full scans.
+
+    Right after the engine is built, that is torch, vLLM and the engine's
+    client side, which live as long as the process. vLLM's own server does
+    the same (``vllm.utils.gc_utils.freeze_gc_heap``): without it, a full
+    collection triggered by a burst of requests scans millions of objects
+    while holding the GIL, and every thread waits (0.5 s on the H200 run).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _fail_future(reply: Reply) -> Callable[[BaseException], None]:

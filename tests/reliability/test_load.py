@@ -188,7 +188,12 @@ def test_many_loops_in_many_threads(engine: AsyncEngine, figures: Callable[[str]
     assert finished == [45] * 8
 
     async def after() -> tuple[list[int], int]:
-        counts = [await unfinished(engine) for _ in range(3)]
+        # A closed loop's requests are aborted at the next step: a "wait" pause
+        # returns once nothing is in flight, so once they are gone.
+        before = await unfinished(engine)
+        await engine.pause_generation(mode="wait")
+        await engine.resume_generation()
+        counts = [before, await unfinished(engine)]
         probe = await engine.generate("still here", params)
         return counts, len(probe.outputs[0].token_ids)
 

@@ -1,0 +1,58 @@
+"""Print the markdown tables of a bench.py JSON file (as in docs/performance.md).
+
+python benchmarks/table.py results/bench.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def main_table(results: dict[str, Any]) -> str:
+    """Throughput, ratios, TTFT and loop lag per size: raw, AsyncLLM, asynckv."""
+    lines = [
+        "| streams | raw tok/s | AsyncLLM tok/s | asynckv tok/s | asynckv / raw "
+        "| asynckv / AsyncLLM | TTFT p50 raw / AsyncLLM / asynckv (ms) "
+        "| loop lag p99 AsyncLLM / asynckv (ms) | loop lag max AsyncLLM / asynckv (ms) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+    ]
+    for n, row in results["main"].items():
+        raw, al, kv = row["raw"], row["asyncllm"], row["asynckv"]
+        lines.append(
+            f"| {int(n):,} | {raw['tok_per_s']:,.0f} | {al['tok_per_s']:,.0f} "
+            f"| {kv['tok_per_s']:,.0f} | {kv['tok_per_s'] / raw['tok_per_s']:.3f} "
+            f"| {kv['tok_per_s'] / al['tok_per_s']:.3f} "
+            f"| {raw['ttft_p50_ms']:,.1f} / {al['ttft_p50_ms']:,.1f} / {kv['ttft_p50_ms']:,.1f} "
+            f"| {al['lag_p99_ms']:.2f} / {kv['lag_p99_ms']:.2f} "
+            f"| {al['lag_max_ms']:,.1f} / {kv['lag_max_ms']:,.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def gil_table(results: dict[str, Any]) -> str:
+    """Per driver: GIL wait (the probe thread's lateness) and each thread's share of a core."""
+    lines = [
+        "| streams | driver | tok/s / raw | GIL wait p50 / p99 / max (ms) "
+        "| core share: main / worker / vLLM output thread | CPU s per 1k tokens |",
+        "| ---: | --- | ---: | --- | --- | ---: |",
+    ]
+    for n, row in results["main"].items():
+        for driver, m in row.items():
+            lines.append(
+                f"| {int(n):,} | {driver} | {m['tok_per_s'] / row['raw']['tok_per_s']:.3f} "
+                f"| {m['gil_wait_p50_ms']:.2f} / {m['gil_wait_p99_ms']:.2f} "
+                f"/ {m['gil_wait_max_ms']:.1f} "
+                f"| {m['cpu_share_main']:.2f} / {m['cpu_share_worker']:.2f} "
+                f"/ {m['cpu_share_vllm_io']:.2f} | {m['cpu_s_per_1k_tok']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    data = json.loads(Path(sys.argv[1]).read_text())
+    print(main_table(data))
+    print()
+    print(gil_table(data))
