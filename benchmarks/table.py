@@ -16,8 +16,9 @@ def main_table(results: dict[str, Any]) -> str:
     lines = [
         "| streams | raw tok/s | AsyncLLM tok/s | asynckv tok/s | asynckv / raw "
         "| asynckv / AsyncLLM | TTFT p50 raw / AsyncLLM / asynckv (ms) "
-        "| loop lag p99 AsyncLLM / asynckv (ms) | loop lag max AsyncLLM / asynckv (ms) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+        "| loop lag p99 AsyncLLM / asynckv (ms) | loop lag max AsyncLLM / asynckv (ms) "
+        "| CPU s per 1k tokens raw / AsyncLLM / asynckv |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- |",
     ]
     for n, row in results["main"].items():
         raw, al, kv = row["raw"], row["asyncllm"], row["asynckv"]
@@ -27,7 +28,9 @@ def main_table(results: dict[str, Any]) -> str:
             f"| {kv['tok_per_s'] / al['tok_per_s']:.3f} "
             f"| {raw['ttft_p50_ms']:,.1f} / {al['ttft_p50_ms']:,.1f} / {kv['ttft_p50_ms']:,.1f} "
             f"| {al['lag_p99_ms']:.2f} / {kv['lag_p99_ms']:.2f} "
-            f"| {al['lag_max_ms']:,.1f} / {kv['lag_max_ms']:,.1f} |"
+            f"| {al['lag_max_ms']:,.1f} / {kv['lag_max_ms']:,.1f} "
+            f"| {raw['cpu_s_per_1k_tok']:.3f} / {al['cpu_s_per_1k_tok']:.3f} "
+            f"/ {kv['cpu_s_per_1k_tok']:.3f} |"
         )
     return "\n".join(lines)
 
