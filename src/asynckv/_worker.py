@@ -522,6 +522,11 @@ class Worker:
                 continue
             process = by_sentinel[ready[0]]  # type: ignore[index]
             process.join(1.0)  # the sentinel fires before the exit code is reaped
+            # vLLM's own shutdown may be reaping it on another thread at this moment:
+            # then the code appears on the shared process object a moment later.
+            for _ in range(20):
+                if process.exitcode is not None or self._closing.wait(0.05):
+                    break
             status = exit_status(process.exitcode)
             cause = ChildProcessError(f"engine process {process.name} (pid {process.pid}) {status}")
             self.die(cause)
