@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The suite's engine tests against CUDA engines, ON the device, through on_device.sh run:
-#   bash scripts/gpu/on_device.sh run .gpu/bundle bash scripts/gpu/test_job.sh [pytest args...]
+#   bash scripts/gpu/on_device.sh run .gpu/bundle bash scripts/gpu/test_job.sh [test paths/pytest args...]
 # ASYNCKV_TEST_DEVICE=cuda makes tests/conftest.py keep only the tests marked engine or gpu (not
 # cpu_only) and tests/support.py build eager CUDA engines with a small share of the card each;
 # tests/test_gpu.py adds the 8B-shaped dummy model. The log and a JUnit XML land in $OUT.
@@ -11,8 +11,11 @@ export ASYNCKV_TEST_DEVICE=cuda
 # after that can't use CUDA (vLLM 0.26 doesn't switch to spawn by itself there).
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
 t0=$(date +%s)
-timeout "${TEST_TIMEOUT:-540}" python3 -m pytest tests/test_gpu.py tests -p no:cacheprovider \
-  --timeout 150 -q -rfEs --junitxml "$OUT/tests.xml" "$@" 2>&1 \
+# Arguments, if any, replace the default selection (the whole suite, filtered by the markers).
+args=("$@"); [ ${#args[@]} -gt 0 ] || args=(tests)
+# -v names each test as it passes, so a run cut short by the time limit still says which did.
+timeout "${TEST_TIMEOUT:-540}" python3 -m pytest "${args[@]}" -p no:cacheprovider \
+  --timeout 150 -v -rfEs --junitxml "$OUT/tests.xml" 2>&1 \
   | tee "$OUT/tests-full.log" | grep --line-buffered -v " INFO \| DEBUG " | tee "$OUT/tests.log"
 rc=${PIPESTATUS[0]}
 echo "pytest exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.log"
