@@ -28,6 +28,7 @@ __all__ = (
     "abort_outputs",
     "engine_processes",
     "exit_status",
+    "fail_utility_calls",
     "pause_core_scheduler",
     "resume_core_scheduler",
     "unblock_step",
@@ -95,8 +96,15 @@ def unblock_step(engine: LLMEngine, cause: BaseException) -> None:
     queue = getattr(core, "outputs_queue", None)
     if queue is not None:
         queue.put_nowait(cause)
-    # A utility call (a reset, a pause of the core, ...) waits on its own future,
-    # which a dead core never answers: fail those too.
+    fail_utility_calls(engine, cause)
+
+
+def fail_utility_calls(engine: LLMEngine, cause: BaseException) -> None:
+    """Fail the futures of utility calls (a reset, a pause of the core, ...) now waiting.
+
+    A dead core never answers them. Thread-safe futures, so any thread may.
+    """
+    core = getattr(engine, "engine_core", None)
     with contextlib.suppress(Exception):
         for future in list(getattr(core, "utility_results", {}).values()):
             if not future.done():

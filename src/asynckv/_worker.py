@@ -62,6 +62,7 @@ from ._vllm import (
     abort_outputs,
     engine_processes,
     exit_status,
+    fail_utility_calls,
     pause_core_scheduler,
     resume_core_scheduler,
     unblock_step,
@@ -241,6 +242,10 @@ class Worker:
             commands = inbox.take(block=not self._step_ready(engine))
             outbox = Outbox()
             while commands:
+                if self.dead_error is not None:
+                    # Died mid-batch (the watchdog): the rest must not reach the dead core.
+                    fail_all(list(commands), self.dead_error)
+                    break
                 command = commands.popleft()
                 try:
                     self._apply(engine, command, outbox)
@@ -530,8 +535,16 @@ class Worker:
             status = exit_status(process.exitcode)
             cause = ChildProcessError(f"engine process {process.name} (pid {process.pid}) {status}")
             self.die(cause)
-            if self._engine is not None:
-                unblock_step(self._engine, cause)
+            engine = self._engine
+            if engine is not None:
+                unblock_step(engine, cause)
+            # A command the worker was already applying may still call into the
+            # dead core after that: keep failing such calls until the worker stops.
+            while engine is not None and not self._closing.is_set():
+                self._thread.join(0.1)
+                if not self._thread.is_alive():
+                    break
+                fail_utility_calls(engine, cause)
             return
 
 
