@@ -7,6 +7,7 @@ from ._errors import (
     AsyncKVError,
     EngineClosedError,
     EngineDeadError,
+    EngineHeldError,
     EngineNotStartedError,
     EngineStalledError,
 )
@@ -22,6 +23,7 @@ __all__ = (
     "AsyncKVError",
     "EngineClosedError",
     "EngineDeadError",
+    "EngineHeldError",
     "EngineNotStartedError",
     "EngineStalledError",
     "EngineStats",

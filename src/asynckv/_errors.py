@@ -9,6 +9,7 @@ __all__ = (
     "AsyncKVError",
     "EngineClosedError",
     "EngineDeadError",
+    "EngineHeldError",
     "EngineNotStartedError",
     "EngineStalledError",
 )
@@ -71,3 +72,17 @@ class EngineStalledError(AsyncKVError):
             f"the engine is stalled: no step completed for {seconds:.1f} s "
             f"with {in_flight} requests unfinished"
         )
+
+
+class EngineHeldError(AsyncKVError):
+    """Raised at once by a call that needs engine steps which cannot come.
+
+    That is a ``pause_generation(mode="wait")`` with requests in flight while
+    the caller's own ``paused()`` block (or a ``"keep"`` pause) stops the
+    stepping, or a ``paused(at_step=k)`` for a future step from inside the
+    caller's own ``paused()`` block. The call changes nothing; without this
+    error it would never return.
+    """
+
+    def __init__(self, call: str, reason: str) -> None:
+        super().__init__(f"{call} can never complete: {reason}")
