@@ -7,6 +7,7 @@ import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
@@ -14,6 +15,7 @@ from vllm import EngineArgs, SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 
 from asynckv import AsyncEngine, RequestStream
+from asynckv._vllm import EngineLike
 
 # The suite against a CUDA engine (scripts/gpu/README.md): same tests, GPU engines.
 ON_GPU = os.environ.get("ASYNCKV_TEST_DEVICE") == "cuda"
@@ -108,7 +110,7 @@ class FakeEngine:
         self.shut_down.set()
 
     def add_request(
-        self, request_id: str, prompt: object, params: SamplingParams, **_: object
+        self, request_id: str, prompt: object, params: SamplingParams, /, **_: object
     ) -> None:
         self.log.append(f"add {request_id}")
         self.tokens[request_id] = []
@@ -161,3 +163,8 @@ class FakeEngine:
             if done:
                 del self.tokens[rid]
         return outputs
+
+
+if TYPE_CHECKING:
+    # mypy checks the fake against the Protocol of what the worker calls.
+    _FAKE_IS_AN_ENGINE: EngineLike = FakeEngine()

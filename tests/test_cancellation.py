@@ -53,16 +53,28 @@ async def test_cancel_while_iterating(engine: AsyncEngine) -> None:
     assert await unfinished(engine) == 0
 
 
-async def test_break_aborts(engine: AsyncEngine) -> None:
-    """Breaking out of ``async for`` aborts the request, and its stream ends with "abort"."""
-    stream = engine.generate("Break out", LONG)
-    async for _ in stream:
+async def test_break_out_of_a_temporary_stream_aborts(engine: AsyncEngine) -> None:
+    """Breaking out of ``async for`` over ``engine.generate(...)`` drops the stream: it aborts."""
+    async for out in engine.generate("Break out", LONG, request_id="break-out"):
+        assert not out.finished
         break
     assert await unfinished(engine) == 0
+
+
+async def test_break_out_of_a_kept_stream_leaves_it_running(engine: AsyncEngine) -> None:
+    """A stream kept in a variable is its own iterator: ``break`` leaves it, ``await`` finishes it.
+
+    As with ``AsyncLLM.generate``'s generator, leaving the loop doesn't end the
+    request; ``aclose()``, ``async with`` or dropping the stream does.
+    """
+    stream = engine.generate("Break and resume", SamplingParams(max_tokens=40, ignore_eos=True))
+    async for _ in stream:
+        break
+    assert aiter(stream) is stream
     final = await stream
-    assert final.finished
-    assert final.outputs[0].finish_reason == "abort"
-    assert len(final.outputs[0].token_ids) < 400
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert len(final.outputs[0].token_ids) == 40
+    assert await unfinished(engine) == 0
 
 
 async def test_aclose_aborts_and_waits(engine: AsyncEngine) -> None:

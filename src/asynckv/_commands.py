@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
+from ._control import PauseMode
 from ._log import emit
 
 if TYPE_CHECKING:
@@ -23,7 +24,20 @@ if TYPE_CHECKING:
 
     from ._stream import _Sink
 
-PauseMode = Literal["abort", "wait", "keep"]
+__all__ = (
+    "Abort",
+    "Add",
+    "Call",
+    "Command",
+    "Hold",
+    "Outbox",
+    "Pause",
+    "PauseMode",
+    "Release",
+    "Reply",
+    "Resume",
+    "fail_all",
+)
 
 _Callback = tuple[Callable[..., None], tuple[Any, ...]]
 
@@ -145,7 +159,9 @@ class Hold:
 
     at_step: int | None
     reply: Reply
-    token: object = field(default_factory=object)
+    caller_holds: frozenset[Hashable] = frozenset()
+    """The holds of the caller's own ``paused()`` blocks (a contextvar's value)."""
+    token: Hashable = field(default_factory=object)
 
     def fail(self, outbox: Outbox, error: BaseException) -> None:
         self.reply.fail(outbox, error)
@@ -155,10 +171,10 @@ class Hold:
 class Release:
     """End the hold made by the ``Hold`` with this token, applied or not."""
 
-    token: object
+    token: Hashable
 
     def fail(self, outbox: Outbox, error: BaseException) -> None:
-        pass
+        pass  # nobody waits for a release
 
 
 @dataclass(eq=False)
@@ -168,6 +184,8 @@ class Pause:
     mode: PauseMode
     clear_cache: bool
     reply: Reply
+    caller_holds: frozenset[Hashable] = frozenset()
+    """The holds of the caller's own ``paused()`` blocks (a contextvar's value)."""
 
     def fail(self, outbox: Outbox, error: BaseException) -> None:
         self.reply.fail(outbox, error)

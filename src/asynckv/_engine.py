@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, get_args
 
 from vllm.sampling_params import SamplingParams
@@ -37,10 +38,19 @@ if TYPE_CHECKING:
     from vllm import EngineArgs, LLMEngine
     from vllm.lora.request import LoRARequest
 
+    from ._vllm import EngineLike
+
 __all__ = ("AsyncEngine",)
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# The holds of the paused() blocks the current task is inside (tasks created
+# in a block inherit it): a call that needs steps which such a hold stops can
+# never complete, and the worker refuses it at once.
+_HOLDING: contextvars.ContextVar[frozenset[Hashable]] = contextvars.ContextVar(
+    "asynckv_holding", default=frozenset()
+)
 
 
 class AsyncEngine:
@@ -68,7 +78,7 @@ class AsyncEngine:
     pass False to leave the collector alone.
     """
 
-    def __init__(self, llm_engine: LLMEngine, *, freeze_gc: bool = True) -> None:
+    def __init__(self, llm_engine: EngineLike, *, freeze_gc: bool = True) -> None:
         self._worker = Worker(lambda: llm_engine, freeze_gc)
         self._closed = False
         self._worker.start(None)
@@ -232,13 +242,13 @@ class AsyncEngine:
 
         def reset(engine: LLMEngine) -> bool:
             # On the worker thread, between two steps.
-            in_flight = worker.in_flight
+            in_flight = len(worker.registry.routes)
             done = bool(engine.reset_prefix_cache(reset_running_requests, reset_connector))
             emit(
                 logging.INFO if done else logging.WARNING,
                 "prefix cache reset",
                 result=done,
-                step=worker.step_count,
+                step=worker.counters.steps,
                 reset_running_requests=reset_running_requests,
                 requests_preempted=in_flight if done and reset_running_requests else 0,
             )
@@ -252,27 +262,27 @@ class AsyncEngine:
 
         Safe from any thread; never blocks. See ``EngineStats`` for the fields.
         """
-        w = self._worker
-        last = w.last_step_end
+        snap = self._worker.snapshot()
+        last = snap.last_step_end
         return EngineStats(
-            steps=w.step_count,
-            steps_per_second=1.0 / w.step_seconds_avg if w.step_seconds_avg else 0.0,
-            last_step_seconds=w.last_step_seconds,
+            steps=snap.steps,
+            steps_per_second=snap.steps_per_second,
+            last_step_seconds=snap.last_step_seconds,
             seconds_since_last_step=None if last is None else time.perf_counter() - last,
-            requests_in_flight=w.in_flight,
-            requests_waiting=w.waiting,
-            paused=w.admission_paused or w.held,
-            commands_queued=len(w.inbox),
-            outputs_delivered=w.outputs_delivered,
-            requests_finished=w.requests_finished,
-            requests_aborted=w.requests_aborted,
-            loops_served=len(w.loops),
+            requests_in_flight=snap.in_flight,
+            requests_waiting=snap.waiting,
+            paused=snap.admission_paused or snap.held,
+            commands_queued=snap.commands_queued,
+            outputs_delivered=snap.outputs_delivered,
+            requests_finished=snap.requests_finished,
+            requests_aborted=snap.requests_aborted,
+            loops_served=snap.loops_served,
         )
 
     @property
     def step_count(self) -> int:
         """The number of engine steps completed so far."""
-        return self._worker.step_count
+        return self._worker.counters.steps
 
     @contextlib.asynccontextmanager
     async def paused(self, at_step: int | None = None) -> AsyncIterator[int]:
@@ -283,14 +293,25 @@ class AsyncEngine:
         Commands issued in the block (generate, abort, reset, ...) are applied
         in order at that boundary; stepping resumes when the block exits.
 
+        Holds stack: stepping resumes when every block has exited. A block
+        entered inside another of the same task (or of a task created inside
+        it) for a future ``at_step`` could never be entered, and raises at once.
+
         Raises:
             ValueError: ``at_step`` has already passed.
+            EngineHeldError: ``at_step`` is in the future and the caller's own
+                ``paused()`` block stops the stepping.
         """
-        hold = Hold(at_step, Reply.here())
+        holding = _HOLDING.get()
+        hold = Hold(at_step, Reply.here(), holding)
         try:
             self._submit(hold)
             step: int = await hold.reply.future
-            yield step
+            entered = _HOLDING.set(holding | {hold.token})
+            try:
+                yield step
+            finally:
+                _HOLDING.reset(entered)
         finally:
             with contextlib.suppress(EngineClosedError, EngineDeadError):
                 self._worker.inbox.put(Release(hold.token))
@@ -305,19 +326,32 @@ class AsyncEngine:
         ``"abort"`` aborts them, ``"wait"`` returns once they have finished,
         ``"keep"`` freezes them until resumed. ``clear_cache`` then resets the
         prefix cache (preempting kept requests, which recompute on resume).
+        A pause while paused applies its own mode to what is in flight. A
+        pending ``"wait"`` also returns when ``resume_generation()`` comes first.
+        docs/reset-and-pause.md has the outcome of every combination.
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            EngineHeldError: ``"wait"`` with requests in flight while a ``"keep"``
+                pause or the caller's own ``paused()`` block stops the stepping
+                (it could never return); nothing changes.
         """
         if mode not in get_args(PauseMode):
             raise ValueError(f"mode must be one of {get_args(PauseMode)}, not {mode!r}")
-        await self._ask(lambda reply: Pause(mode, clear_cache, reply))
+        holding = _HOLDING.get()
+        await self._ask(lambda reply: Pause(mode, clear_cache, reply, holding))
 
     async def resume_generation(self) -> None:
-        """Resume after ``pause_generation()``: admit the waiting requests, step again."""
+        """Resume after ``pause_generation()``: admit the waiting requests, step again.
+
+        A no-op when not paused. Pending ``"wait"`` pauses return.
+        """
         await self._ask(Resume)
 
     async def is_paused(self) -> bool:
         """Whether ``pause_generation()`` is in force."""
         self._check_open()
-        return self._worker.admission_paused
+        return self._worker.snapshot().admission_paused
 
     # -- AsyncLLM's pass-throughs --------------------------------------------------
 
@@ -376,28 +410,29 @@ class AsyncEngine:
                 completed for that long.
         """
         self._check_open()
-        worker = self._worker
-        if (error := worker.dead_error) is not None:
+        snap = self._worker.snapshot()
+        if (error := snap.dead_error) is not None:
             raise error
         if stall_timeout is None:
             return
         now = time.perf_counter()
-        stepping = worker.in_step_since
+        stepping = snap.in_step_since
         if stepping is not None and now - stepping > stall_timeout:
             # A step that doesn't return stalls everything, whatever we track.
-            raise EngineStalledError(now - stepping, worker.in_flight)
-        if not worker.in_flight or worker.held:
+            raise EngineStalledError(now - stepping, snap.in_flight)
+        if not snap.in_flight or snap.held:
             return
-        idle = now - max(worker.last_step_end or 0.0, worker.busy_since)
+        idle = now - max(snap.last_step_end or 0.0, snap.busy_since)
         if idle > stall_timeout:
-            raise EngineStalledError(idle, worker.in_flight)
+            raise EngineStalledError(idle, snap.in_flight)
 
     @property
     def errored(self) -> bool:
         """Whether the engine has died."""
-        return self._worker.dead_error is not None
+        return self._worker.registry.dead_error is not None
 
     @property
     def dead_error(self) -> BaseException:
         """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
-        return self._worker.dead_error or EngineDeadError(RuntimeError("the engine is alive"))
+        error = self._worker.registry.dead_error
+        return error or EngineDeadError(RuntimeError("the engine is alive"))

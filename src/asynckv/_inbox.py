@@ -46,16 +46,19 @@ class Inbox(Generic[T]):
             self._nudged = True
             self._cond.notify()
 
-    def take(self, block: bool) -> deque[T]:
+    def take(self, block: bool, timeout: float | None = None) -> deque[T]:
         """Remove and return everything queued now, waiting for one item if ``block``.
 
         A ``nudge`` since the last call ends the wait too (then the batch may
-        be empty). Items put while the caller works on this batch wait for the
-        next call, so a burst of commands can't starve the engine's steps.
+        be empty), and so does ``timeout`` seconds passing. Items put while the
+        caller works on this batch wait for the next call, so a burst of
+        commands can't starve the engine's steps.
         """
         with self._cond:
-            while block and not self._items and not self._nudged and self._error is None:
-                self._cond.wait()
+            if block and not self._items and not self._nudged and self._error is None:
+                # One wait: a spurious wake-up returns an empty batch, which the
+                # worker treats like a timeout (it looks again), never as a command.
+                self._cond.wait(timeout)
             self._nudged = False
             items, self._items = self._items, deque()
             return items

@@ -17,6 +17,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from ._errors import EngineClosedError, EngineDeadError
 from ._log import emit, enabled
+from ._vllm import request_stat
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
@@ -114,19 +115,20 @@ class Timeline:
             if kind is RequestOutputKind.DELTA
             else sum(len(c.token_ids) for c in final.outputs)
         )
-        first = _stamp(stats, "first_token_ts")
-        last = _stamp(stats, "last_token_ts")
+        first = request_stat(stats, "first_token_ts")
+        last = request_stat(stats, "last_token_ts")
+        preemptions = request_stat(stats, "num_preemptions")
         reason = final.outputs[0].finish_reason if final.outputs else None
         self.metrics = m = RequestMetrics(
             submitted=self._submitted,
-            scheduled=_stamp(stats, "scheduled_ts"),
+            scheduled=request_stat(stats, "scheduled_ts"),
             first_token=first or self.first_at,
             last_token=last or (now if self.first_at is not None else None),
             finished=now,
             prompt_tokens=len(final.prompt_token_ids or ()),
             output_tokens=tokens,
             n=max(1, len(final.outputs)),
-            preemptions=_count(stats, "num_preemptions"),
+            preemptions=None if preemptions is None else int(preemptions),
             finish_reason=reason,
         )
         if not enabled(logging.INFO):
@@ -154,18 +156,6 @@ class Timeline:
             emit(logging.DEBUG, "request failed", request_id=self.request_id, error=str(error))
         else:
             emit(logging.INFO, "request rejected", request_id=self.request_id, error=str(error))
-
-
-def _stamp(stats: Any, name: str) -> float | None:
-    """One of vLLM's engine timestamps, if it recorded it (0.0 means it didn't)."""
-    value = getattr(stats, name, None) if stats is not None else None
-    return float(value) if value else None
-
-
-def _count(stats: Any, name: str) -> int | None:
-    """One of vLLM's per-request counters, if this version keeps it (0.26 has no preemptions)."""
-    value = getattr(stats, name, None) if stats is not None else None
-    return None if value is None else int(value)
 
 
 def _round(value: float | None) -> float | None:

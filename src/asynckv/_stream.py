@@ -9,15 +9,19 @@ the buffer is only ever touched by its own loop.
 from __future__ import annotations
 
 import asyncio
-import copy
+import functools
 import warnings
+import weakref
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from ._metrics import RequestMetrics, Timeline
+from ._vllm import copy_delta, final_abort_output, merge_delta, with_completions
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput, RequestOutput
 
 __all__ = ("RequestStream",)
 
@@ -74,13 +78,12 @@ class _Sink:
                 self._pending = out
             else:
                 # The pending output was never handed out, so merging into it is safe.
-                self._pending.add(out, aggregate=True)
+                merge_delta(self._pending, out)
         elif self.n > 1 and self.kind is RequestOutputKind.CUMULATIVE:
             for completion in out.outputs:
                 self._latest[completion.index] = completion
-            merged = copy.copy(out)
-            merged.outputs = [self._latest[i] for i in sorted(self._latest)]
-            self._pending = merged
+            latest = [self._latest[i] for i in sorted(self._latest)]
+            self._pending = with_completions(out, latest)
         else:
             self._pending = out
         self._last = out if self.kind is RequestOutputKind.DELTA else self._pending
@@ -105,26 +108,7 @@ class _Sink:
         if self.finished:
             return
         delta = self.kind is RequestOutputKind.DELTA
-        last = self._last
-        if last is None:
-            final = RequestOutput(
-                request_id=self.request_id,
-                prompt=None,
-                prompt_token_ids=None,
-                prompt_logprobs=None,
-                outputs=[CompletionOutput(i, "", [], None, None) for i in range(self.n)],
-                finished=True,
-            )
-        else:
-            final = copy.copy(last)
-            final.finished = True
-            final.outputs = [copy.copy(c) for c in last.outputs]
-        for completion in final.outputs:
-            if completion.finish_reason is None:
-                completion.finish_reason = "abort"
-            if delta:
-                completion.text, completion.token_ids = "", []
-        self.push(final)
+        self.push(final_abort_output(self.request_id, self._last, self.n, delta))
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (on the loop, scheduled by the worker)."""
@@ -175,27 +159,40 @@ def _index(completion: CompletionOutput) -> int:
 
 
 class RequestStream:
-    """The outputs of one request, to iterate or to await.
+    """The outputs of one request, to iterate or to await, like ``AsyncLLM.generate``'s generator.
 
     A stream belongs to the event loop that created it: use it only there.
-    ``async for out in stream`` yields ``RequestOutput``s in the order the
-    engine produced them, following ``sampling_params.output_kind``; the last
-    one has ``finished=True``. ``await stream`` consumes what is left and
+    It is its own async iterator (``aiter(stream) is stream``; ``anext(stream)``
+    works): ``async for out in stream`` yields ``RequestOutput``s in the order
+    the engine produced them, following ``sampling_params.output_kind``; the
+    last one has ``finished=True``. ``await stream`` consumes what is left and
     returns the final output, with all ``n`` completions ordered by index
-    (for DELTA, the concatenation of the deltas it consumed).
+    (for DELTA, the merge of the deltas not consumed before), also after a
+    partial iteration.
 
-    ``async with engine.generate(...) as stream:`` guarantees the abort on
-    every exit from the block, even a cancellation before the stream was
-    first awaited. Every path away from an unfinished stream aborts the
-    request in the engine before its next step: cancelling the task that
-    awaits or iterates it, ``break`` out of ``async for`` (the iterator is
-    dropped), ``aclose()``, and garbage collection (which also warns with
-    ``ResourceWarning``).
+    The request is aborted in the engine before its next step on every path
+    away from an unfinished stream: ``aclose()``; leaving
+    ``async with engine.generate(...) as stream:`` by any exit (even a
+    cancellation before the stream was first awaited); cancelling the task
+    that awaits or iterates it; and dropping the stream (so ``break`` out of
+    ``async for out in engine.generate(...)`` aborts at once). A stream
+    dropped before anything was taken from it also warns with
+    ``ResourceWarning``: that is usually a forgotten ``await``.
     Every stream ends with a final output or an exception: ``EngineDeadError``,
     ``EngineClosedError`` or the engine's own error for a bad request.
     """
 
-    __slots__ = ("__weakref__", "_abandoned", "_abort", "_final", "_sink", "request_id")
+    __slots__ = (
+        "__weakref__",
+        "_abandoned",
+        "_abort",
+        "_final",
+        "_on_done",
+        "_sink",
+        "_task",
+        "_touched",
+        "request_id",
+    )
 
     def __init__(self, request_id: str, sink: _Sink, abort: Callable[[str, str], None]) -> None:
         self.request_id = request_id
@@ -204,6 +201,11 @@ class RequestStream:
         self._abort = abort
         self._final: RequestOutput | None = None
         self._abandoned = False
+        self._touched = False  # something was asked of it: iterated, awaited, closed
+        # The task that last took an output, watched so that its cancellation
+        # (wherever it is waiting then) aborts the request.
+        self._task: asyncio.Task[Any] | None = None
+        self._on_done: Callable[[asyncio.Task[Any]], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -225,6 +227,10 @@ class RequestStream:
     async def _next(self) -> RequestOutput:
         # The hot path: one coroutine per output, no future when one is pending.
         self._check_loop()
+        self._touched = True
+        task = asyncio.current_task()
+        if task is not self._task:
+            self._watch(task)
         sink = self._sink
         while (out := sink.take()) is None:
             try:
@@ -235,15 +241,29 @@ class RequestStream:
                 raise
         if out.finished:
             self._final = out
+            self._watch(None)
         return out
+
+    def _watch(self, task: asyncio.Task[Any] | None) -> None:
+        if self._task is not None and self._on_done is not None:
+            self._task.remove_done_callback(self._on_done)
+        self._task, self._on_done = task, None
+        if task is not None:
+            # The task holds only a weak reference, so dropping the stream still aborts.
+            self._on_done = functools.partial(_abandon_if_cancelled, weakref.ref(self))
+            task.add_done_callback(self._on_done)
 
     def _abandon(self, why: str) -> None:
         if not self._sink.finished and not self._abandoned:
             self._abandoned = True
             self._abort(self.request_id, why)
 
-    def __aiter__(self) -> _StreamIterator:
-        return _StreamIterator(self)
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    def __anext__(self) -> Coroutine[Any, Any, RequestOutput]:
+        """The next output; ``StopAsyncIteration`` after the final one."""
+        return self._next()
 
     def __await__(self) -> Generator[object, None, RequestOutput]:
         return self._result().__await__()
@@ -254,9 +274,9 @@ class RequestStream:
         while not self._sink.exhausted:
             out = await self._next()
             if delta and merged is not None:
-                merged.add(out, aggregate=True)
+                merge_delta(merged, out)
             elif delta:
-                merged = _copy_delta(out)
+                merged = copy_delta(out)
             else:
                 merged = out
         if merged is None:
@@ -273,6 +293,7 @@ class RequestStream:
         Idempotent. Errors that end the stream (a dead engine, say) are not raised.
         """
         self._check_loop()
+        self._touched = True
         self._abandon("disconnected")
         sink = self._sink
         while True:
@@ -291,52 +312,29 @@ class RequestStream:
         It doesn't wait for the abort (a cancellation must not wait on the
         engine): the request is out of the engine before its next step.
         """
+        self._touched = True
         self._abandon("cancelled" if _cancelling() else "disconnected")
 
     def __del__(self) -> None:
-        if not self._sink.finished and not self._abandoned:
-            self._abort(self.request_id, "disconnected")
+        if self._sink.finished or self._abandoned:
+            return
+        self._abort(self.request_id, "disconnected")
+        if not self._touched:
             warnings.warn(
-                f"RequestStream {self.request_id!r} was garbage-collected unfinished; "
-                "its request was aborted",
+                f"RequestStream {self.request_id!r} was garbage-collected unfinished "
+                "before anything was taken from it; its request was aborted",
                 ResourceWarning,
                 stacklevel=1,
             )
 
 
-class _StreamIterator:
-    """The iterator ``async for`` uses; dropping it unfinished aborts the request.
-
-    It is a separate object so that ``break`` (which drops the iterator but
-    not the stream) is seen at once, by reference counting.
-    """
-
-    __slots__ = ("_stream",)
-
-    def __init__(self, stream: RequestStream) -> None:
-        self._stream = stream
-
-    def __aiter__(self) -> _StreamIterator:
-        return self
-
-    def __anext__(self) -> Coroutine[Any, Any, RequestOutput]:
-        return self._stream._next()
-
-    def __del__(self) -> None:
-        self._stream._abandon("disconnected")
+def _abandon_if_cancelled(stream: weakref.ref[RequestStream], task: asyncio.Task[Any]) -> None:
+    # A done callback of the task that last took an output (on the stream's loop).
+    alive = stream()
+    if alive is not None and task.cancelled():
+        alive._abandon("cancelled")
 
 
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-def _copy_delta(out: RequestOutput) -> RequestOutput:
-    """Copy a DELTA output deeply enough that merging into it changes nothing shared."""
-    merged = copy.copy(out)
-    merged.outputs = [copy.copy(c) for c in out.outputs]
-    for c in merged.outputs:
-        c.token_ids = list(c.token_ids)
-        if c.logprobs is not None:
-            c.logprobs = copy.copy(c.logprobs)
-    return merged

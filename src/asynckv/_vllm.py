@@ -1,42 +1,101 @@
-"""What asynckv reads and calls of vLLM's internals, kept in one place.
+"""What asynckv reads and calls of vLLM beyond ``LLMEngine``'s public methods.
 
 Everything here depends on how vLLM (0.32; 0.26 on the GPU) lays out its
-``LLMEngine`` beyond the public API, so each function degrades to a safe
-answer when an attribute is missing. ``abort_outputs``, ``pause_core_scheduler``
-and ``resume_core_scheduler`` run on the worker thread; ``engine_processes``
-and ``watch_outputs`` right after the engine is built; ``unblock_step`` on the
-watchdog thread.
+``LLMEngine`` and its outputs beyond the public API, so each function
+degrades to a safe answer when an attribute is missing. ``EngineLike`` is
+the Protocol of the ``LLMEngine`` methods the worker calls; the tests'
+fake engine is checked against it.
+
+Threads: ``abort_outputs``, ``pause_core_scheduler``, ``resume_core_scheduler``
+and ``shutdown_core`` run on the worker thread; ``engine_processes``,
+``has_core_process`` and ``watch_outputs`` right after the engine is built
+(also on the worker); ``unblock_step`` and ``fail_utility_calls`` on the
+watchdog thread; the output helpers (``final_abort_output``, ``copy_delta``,
+``merge_delta``, ``request_stat``) on the stream's event loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import queue
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine import FinishReason
+from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from vllm import LLMEngine
-    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
 
 __all__ = (
+    "EngineLike",
+    "VllmEngineDeadError",
     "abort_outputs",
+    "copy_delta",
     "engine_processes",
     "exit_status",
     "fail_utility_calls",
+    "final_abort_output",
+    "has_core_process",
+    "is_engine_dead",
+    "merge_delta",
     "pause_core_scheduler",
+    "request_stat",
     "resume_core_scheduler",
+    "shutdown_core",
     "unblock_step",
     "watch_outputs",
+    "with_completions",
 )
 
 
-def abort_outputs(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
+class EngineLike(Protocol):
+    """The ``LLMEngine`` methods and attributes the worker uses (only on its thread).
+
+    ``engine_core`` and ``output_processor`` are read only through the
+    functions below, each of which tolerates their absence.
+    """
+
+    engine_core: Any
+    output_processor: Any
+
+    def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, /, **kwargs: Any
+    ) -> Any: ...
+
+    def abort_request(self, request_ids: list[str]) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
+
+
+def is_engine_dead(error: BaseException) -> bool:
+    """Whether ``error`` is vLLM's own "the engine core died" error."""
+    return isinstance(error, VllmEngineDeadError)
+
+
+def has_core_process(engine: EngineLike) -> bool:
+    """Whether the engine core runs in a process of its own (it then steps by itself)."""
+    return hasattr(engine.engine_core, "call_utility")
+
+
+def shutdown_core(engine: EngineLike) -> None:
+    """Shut the engine core down (its processes too); never raises."""
+    with contextlib.suppress(BaseException):
+        engine.engine_core.shutdown()
+
+
+def abort_outputs(engine: EngineLike, request_id: str) -> list[RequestOutput]:
     """Make the final "abort" outputs that vLLM makes for AsyncLLM but not for LLMEngine.
 
     They come from vLLM's own ``RequestState.make_request_output``, so they
@@ -64,28 +123,27 @@ def abort_outputs(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
     return outputs
 
 
-def engine_processes(engine: LLMEngine) -> list[BaseProcess]:
+def engine_processes(engine: EngineLike) -> list[BaseProcess]:
     """The engine-core processes of a multiprocess-mode engine (none in-process)."""
     resources = getattr(engine.engine_core, "resources", None)
     manager = getattr(resources, "engine_manager", None)
     return list(getattr(manager, "processes", ()))
 
 
-def pause_core_scheduler(engine: LLMEngine, clear_cache: bool) -> bool:
+def pause_core_scheduler(engine: EngineLike, clear_cache: bool) -> bool:
     """Freeze the scheduler of a separate engine-core process ("keep"); False in-process."""
-    core = engine.engine_core
-    if not hasattr(core, "call_utility"):
+    if not has_core_process(engine):
         return False
-    core.call_utility("pause_scheduler", "keep", clear_cache)
+    engine.engine_core.call_utility("pause_scheduler", "keep", clear_cache)
     return True
 
 
-def resume_core_scheduler(engine: LLMEngine) -> None:
+def resume_core_scheduler(engine: EngineLike) -> None:
     """Undo ``pause_core_scheduler``."""
     engine.engine_core.call_utility("resume_scheduler")
 
 
-def unblock_step(engine: LLMEngine, cause: BaseException) -> None:
+def unblock_step(engine: EngineLike, cause: BaseException) -> None:
     """Make a ``step()`` blocked on a dead engine-core process raise ``cause``.
 
     The one exception to "only the worker touches the engine": a put on the
@@ -99,7 +157,7 @@ def unblock_step(engine: LLMEngine, cause: BaseException) -> None:
     fail_utility_calls(engine, cause)
 
 
-def fail_utility_calls(engine: LLMEngine, cause: BaseException) -> None:
+def fail_utility_calls(engine: EngineLike, cause: BaseException) -> None:
     """Fail the futures of utility calls (a reset, a pause of the core, ...) now waiting.
 
     A dead core never answers them. Thread-safe futures, so any thread may.
@@ -111,7 +169,7 @@ def fail_utility_calls(engine: LLMEngine, cause: BaseException) -> None:
                 future.set_exception(cause)
 
 
-def watch_outputs(engine: LLMEngine, arrived: Callable[[], None]) -> Callable[[], bool] | None:
+def watch_outputs(engine: EngineLike, arrived: Callable[[], None]) -> Callable[[], bool] | None:
     """Call ``arrived()`` whenever the engine-core process's next output arrives.
 
     Returns a check for "an output is waiting, so ``step()`` won't block", or
@@ -145,3 +203,68 @@ def exit_status(code: int | None) -> str:
         except ValueError:
             pass
     return f"exited with code {code}"
+
+
+# -- outputs, on the stream's loop ------------------------------------------------
+
+
+def final_abort_output(
+    request_id: str, last: RequestOutput | None, n: int, delta: bool
+) -> RequestOutput:
+    """A final "abort" output made from the last one seen, for when vLLM gave none."""
+    if last is None:
+        final = RequestOutput(
+            request_id=request_id,
+            prompt=None,
+            prompt_token_ids=None,
+            prompt_logprobs=None,
+            outputs=[CompletionOutput(i, "", [], None, None) for i in range(n)],
+            finished=True,
+        )
+    else:
+        final = copy.copy(last)
+        final.finished = True
+        final.outputs = [copy.copy(c) for c in last.outputs]
+    for completion in final.outputs:
+        if completion.finish_reason is None:
+            completion.finish_reason = "abort"
+        if delta:
+            completion.text, completion.token_ids = "", []
+    return final
+
+
+def merge_delta(into: RequestOutput, out: RequestOutput) -> None:
+    """Append DELTA output ``out`` to ``into`` (vLLM's own aggregation)."""
+    into.add(out, aggregate=True)
+
+
+def copy_delta(out: RequestOutput) -> RequestOutput:
+    """Copy a DELTA output deeply enough that merging into it changes nothing shared."""
+    merged = copy.copy(out)
+    merged.outputs = [copy.copy(c) for c in out.outputs]
+    for c in merged.outputs:
+        c.token_ids = list(c.token_ids)
+        if c.logprobs is not None:
+            c.logprobs = copy.copy(c.logprobs)
+    return merged
+
+
+def with_completions(out: RequestOutput, completions: list[CompletionOutput]) -> RequestOutput:
+    """A shallow copy of ``out`` carrying ``completions`` instead of its own."""
+    merged = copy.copy(out)
+    merged.outputs = completions
+    return merged
+
+
+def request_stat(stats: Any, name: str) -> float | None:
+    """One of vLLM's per-request stats (``RequestOutput.metrics``), if it has it.
+
+    Timestamps: 0.0 means vLLM didn't record it (None here). Counters: None
+    where this version doesn't keep it (0.26 has no ``num_preemptions``).
+    """
+    value = getattr(stats, name, None) if stats is not None else None
+    if value is None:
+        return None
+    if name.endswith("_ts"):
+        return float(value) if value else None
+    return float(value)

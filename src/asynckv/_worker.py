@@ -1,153 +1,110 @@
 """The worker thread: sole owner of the ``LLMEngine``.
 
 Everything in ``Worker._run`` and below runs on the worker thread, which is
-the only thread that ever calls the engine. It applies the inbox's commands
-in FIFO order between two steps, steps only while requests are unfinished and
-nothing holds it, and otherwise sleeps on the inbox, so an idle engine costs
-no CPU. It answers the loops only through an ``Outbox``.
+the only thread that ever calls the engine. Each pass takes the inbox's
+commands in FIFO order and applies them, answers them, then steps once if
+requests are unfinished and nothing stops the stepping; otherwise it sleeps
+on the inbox, so an idle engine costs no CPU. It answers the loops only
+through an ``Outbox``. Admission, holds and pauses are the pure state
+machine of ``_control.py``; what waits for an answer lives in the
+``Registry``, whose lock ``die`` and ``close`` take from other threads.
 
 With vLLM's engine-core process, ``step()`` blocks until the core's next
 output. The worker doesn't wait there: it sleeps on the inbox until a command
 *or* that output arrives (vLLM's output thread nudges the inbox), and steps
-only once the output is there. So requests submitted during a step reach the
-engine core at once, not after the step: a burst of ``generate()`` calls
-doesn't trickle in one step at a time.
-
-Two things run elsewhere, under ``Worker._lock``, and touch no engine method:
-``die`` (called by the worker, or by the watchdog thread when an engine
-process dies) and ``close`` (called by the thread that closes the engine).
+once the output is there. That nudge is a hook into vLLM's internals, so
+every such sleep is bounded: were the hook to stop firing, the worker would
+only poll, and before the hook has ever fired it steps anyway (blocking, as
+without the hook).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import threading
 import time
-import weakref
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing import connection
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, assert_never
 
-from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
-
-from ._commands import (
-    Abort,
-    Add,
-    Call,
-    Command,
-    Hold,
-    Outbox,
-    Pause,
-    Release,
-    Reply,
-    Resume,
-    fail_all,
-)
+from . import _watchdog
+from ._commands import Abort, Add, Call, Command, Hold, Outbox, Pause, Release, Reply, Resume
+from ._control import Abort as AbortParked
+from ._control import AbortAll, Admit, Answer, Effect, Fail, PauseCore, ResetCache, ResumeCore
+from ._counters import Counters, Snapshot
 from ._errors import EngineClosedError, EngineDeadError
+from ._inbox import Inbox
+from ._log import emit, enabled
+from ._registry import Life, Registry, Route
+from ._vllm import (
+    EngineLike,
+    abort_outputs,
+    engine_processes,
+    has_core_process,
+    is_engine_dead,
+    pause_core_scheduler,
+    resume_core_scheduler,
+    shutdown_core,
+    watch_outputs,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from vllm import LLMEngine
-
-    from ._stream import _Sink
-
-from ._inbox import Inbox
-from ._log import emit, enabled
-from ._vllm import (
-    abort_outputs,
-    engine_processes,
-    exit_status,
-    fail_utility_calls,
-    pause_core_scheduler,
-    resume_core_scheduler,
-    unblock_step,
-    watch_outputs,
-)
+    from ._registry import Transition
 
 __all__ = ("Worker",)
 
-T = TypeVar("T")
-# What still waits for an answer: the loop to answer on and how to fail it there.
-_Waiting = list[tuple["asyncio.AbstractEventLoop", Callable[[BaseException], None]]]
-
-
-@dataclass(eq=False, slots=True)
-class _Route:
-    sink: _Sink
-    loop: asyncio.AbstractEventLoop
+# Bounds on the sleep while the core computes (see the module docstring).
+_POLL_SECONDS = 0.05  # once the output hook has fired: a silent hook only slows us
+_FIRST_WAIT_SECONDS = 0.02  # before it ever fired: then step (and block) anyway
 
 
 class Worker:
-    """Owns one ``LLMEngine`` on a thread of its own; see the module docstring."""
+    """Owns one engine on a thread of its own; see the module docstring."""
 
-    def __init__(self, build: Callable[[], LLMEngine], freeze_gc: bool = False) -> None:
+    def __init__(self, build: Callable[[], EngineLike], freeze_gc: bool = False) -> None:
         self.inbox: Inbox[Command] = Inbox()
-        self.step_count = 0
-        """Completed steps; written by the worker only, read by anyone."""
-        self.admission_paused = False
-        """Whether ``Pause`` is in force; written by the worker only."""
-        self.dead_error: EngineDeadError | None = None
-        # Counters for stats(): written by the worker only.
-        self.outputs_delivered = 0
-        self.requests_finished = 0
-        self.requests_aborted = 0
-        self.last_step_seconds = 0.0
-        self.step_seconds_avg = 0.0
-        self.last_step_end: float | None = None
-        self.busy_since = 0.0  # when the worker last went from no request to some
-        self.in_step_since: float | None = None  # when the step() now running began
-        self.loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        self.registry = Registry(self.inbox)
+        self.counters = Counters()
+        """Written by the worker only; read by anyone (``snapshot``)."""
         self._build = build
         self._freeze_gc = freeze_gc
-        self._engine: LLMEngine | None = None
         self._processes: list[BaseProcess] = []
-        self._closing = threading.Event()
-        # Guards what die() and close() take from another thread: the routes and
-        # every command that waits on the worker for its answer.
-        self._lock = threading.Lock()
-        self._routes: dict[str, _Route] = {}
-        self._parked: list[Add] = []
-        self._holds: set[object] = set()
-        self._pending_holds: list[Hold] = []
-        self._drain_waiters: list[tuple[Reply, bool]] = []
-        self._keep = False
-        self._core_paused = False  # the engine core's own scheduler is paused ("keep")
+        self._closing = threading.Event()  # wakes the watchdog on close
         self._thread = threading.Thread(target=self._run, name="asynckv-engine", daemon=True)
         self._started: Reply | None = None
-        # Multiprocess mode: whether the core's next output is waiting (see _loop).
+        # Multiprocess mode: whether the core's next output is waiting (see _wait).
         self._output_ready: Callable[[], bool] | None = None
+        self._hook_fired = False
 
-    # -- lifecycle, called from the loop side -------------------------------------
+    # -- any thread ----------------------------------------------------------------
 
     def start(self, reply: Reply | None) -> None:
         """Start the thread; it builds the engine, then answers ``reply``."""
         self._started = reply
+        self.registry.set_life(Life.STARTING)
         self._thread.start()
-
-    @property
-    def held(self) -> bool:
-        """Whether a ``paused()`` block or a "keep" pause stops the stepping."""
-        return bool(self._holds) or self._keep
-
-    @property
-    def waiting(self) -> int:
-        """Requests parked by ``Pause``, not yet admitted."""
-        return len(self._parked)
-
-    @property
-    def in_flight(self) -> int:
-        """Requests admitted and unfinished."""
-        return len(self._routes)
 
     @property
     def started(self) -> bool:
         """Whether ``start`` was called."""
         return self._thread.ident is not None
+
+    def snapshot(self) -> Snapshot:
+        """The counters and states now, read without a lock (fields may span two steps)."""
+        registry, control = self.registry, self.registry.control
+        return self.counters.snapshot(
+            life=registry.life,
+            dead_error=registry.dead_error,
+            in_flight=len(registry.routes),
+            waiting=len(control.parked),
+            admission_paused=not control.admitting,
+            held=not control.stepping,
+            commands_queued=len(self.inbox),
+        )
 
     def close(self, timeout: float) -> None:
         """Stop the worker, end everything in flight with ``EngineClosedError``, join.
@@ -156,46 +113,35 @@ class Worker:
         ``timeout`` seconds even if the worker is stuck inside ``step()``: then the
         engine processes are killed and the (daemon) thread is left behind.
         """
-        error = EngineClosedError()
-        with self._lock:
-            self._closing.set()
-            leftovers = list(self.inbox.close(error))
-            waiting = self._take_waiting()
-        fail_all(leftovers, error)
-        _fail_waiting(waiting, error)
+        self._end(Life.CLOSED, EngineClosedError())
+        self._closing.set()
         if self.started and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         for process in self._processes:
             if process.is_alive():
-                with contextlib.suppress(Exception):
+                try:
                     process.kill()
                     process.join(5)
-        emit(logging.INFO, "engine closed", steps=self.step_count)
+                except Exception as exc:  # already reaped elsewhere: nothing left to kill
+                    emit(logging.DEBUG, "engine process kill failed", error=str(exc))
+        emit(logging.INFO, "engine closed", steps=self.counters.steps)
 
     def die(self, cause: BaseException) -> None:
         """Declare the engine dead: end everything in flight with ``EngineDeadError``.
 
-        Idempotent, any thread. Ignored once closing: a close kills the processes.
+        Idempotent, any thread. Ignored once closed: a close kills the processes.
         """
-        with self._lock:
-            if self.dead_error is not None or self._closing.is_set():
-                return
-            error = self.dead_error = EngineDeadError(cause)
-            leftovers = list(self.inbox.close(error))
-            waiting = self._take_waiting()
-        emit(logging.ERROR, "engine dead", error=str(error), exc_info=cause)
-        fail_all(leftovers, error)
-        _fail_waiting(waiting, error)
+        if self._end(Life.DEAD, EngineDeadError(cause)):
+            emit(logging.ERROR, "engine dead", error=str(self.registry.error), exc_info=cause)
 
-    def _take_waiting(self) -> _Waiting:
-        # Called with the lock held: everything that still waits for an answer.
-        waiting: _Waiting = [(r.loop, r.sink.fail) for r in self._routes.values()]
-        waiting += [(a.sink.loop, a.sink.fail) for a in self._parked]
-        waiting += [(h.reply.loop, _fail_future(h.reply)) for h in self._pending_holds]
-        waiting += [(r.loop, _fail_future(r)) for r, _ in self._drain_waiters]
-        self._routes, self._parked = {}, []
-        self._pending_holds, self._drain_waiters = [], []
-        return waiting
+    def _end(self, life: Life, error: BaseException) -> bool:
+        ended = self.registry.end(life, error)
+        if ended is None:
+            return False
+        outbox = Outbox()
+        ended.fail(outbox)
+        outbox.flush()
+        return True
 
     # -- the thread ----------------------------------------------------------------
 
@@ -204,19 +150,28 @@ class Worker:
         began = time.monotonic()
         emit(logging.INFO, "engine starting")
         try:
-            engine = self._engine = self._build()
+            engine = self._build()
         except BaseException as exc:
             if self._started is not None:
                 self._started.fail(outbox, exc)
             self.die(exc)
             outbox.flush()
             return
+        try:
+            self._serve(engine, outbox, began)
+        except BaseException as exc:  # step() or the engine broke: the engine is dead
+            self.die(exc)
+        finally:
+            shutdown_core(engine)
+
+    def _serve(self, engine: EngineLike, outbox: Outbox, began: float) -> None:
         self._processes = engine_processes(engine)
-        self._output_ready = watch_outputs(engine, self.inbox.nudge)
+        self.registry.set_core(has_core_process(engine))
+        self._output_ready = watch_outputs(engine, self._output_arrived)
         if self._freeze_gc:
             _freeze_heap()
-        if self._processes:
-            threading.Thread(target=self._watch, name="asynckv-watchdog", daemon=True).start()
+        _watchdog.start(self._processes, engine, self.die, self._closing, self._thread)
+        self.registry.set_life(Life.RUNNING)
         emit(
             logging.INFO,
             "engine started",
@@ -227,24 +182,24 @@ class Worker:
         if self._started is not None:
             self._started.ok(outbox)
         outbox.flush()
-        try:
-            self._loop(engine)
-        except BaseException as exc:  # step() or the engine broke: the engine is dead
-            self.die(exc)
-        finally:
-            with contextlib.suppress(BaseException):
-                engine.engine_core.shutdown()
-            self._engine = None
+        self._loop(engine)
 
-    def _loop(self, engine: LLMEngine) -> None:
+    def _output_arrived(self) -> None:
+        # On vLLM's output thread: a plain store and the inbox's own lock.
+        self._hook_fired = True
+        self.inbox.nudge()
+
+    def _loop(self, engine: EngineLike) -> None:
         inbox = self.inbox
         while not inbox.closed:
-            commands = inbox.take(block=not self._step_ready(engine))
+            commands, step_anyway = self._wait(engine)
             outbox = Outbox()
             while commands:
-                if self.dead_error is not None:
+                if self.registry.ended:
                     # Died mid-batch (the watchdog): the rest must not reach the dead core.
-                    fail_all(list(commands), self.dead_error)
+                    error = self.registry.error or EngineDeadError(RuntimeError("ended"))
+                    for command in commands:
+                        command.fail(outbox, error)
                     break
                 command = commands.popleft()
                 try:
@@ -252,23 +207,57 @@ class Worker:
                 except BaseException as exc:
                     # The engine broke mid-command: die() can't see this batch.
                     self.die(exc)
-                    fail_all([command, *commands], self.dead_error or exc)
+                    error = self.registry.error or exc
+                    for failed in (command, *commands):
+                        failed.fail(outbox, error)
                     outbox.flush()
                     raise
             if outbox:
                 # Answer the commands before stepping: a step can take long, or
                 # (a request vLLM took but its core dropped) never return.
                 self._flush(engine, outbox)
-            if self._step_ready(engine) and not inbox.closed:
-                began = self.in_step_since = time.perf_counter()
-                outputs = engine.step()
-                self.in_step_since = None
-                self._count_step(began)
-                self._dispatch(outputs, outbox)
-                self._after_step(engine, outbox)
+            stepping = not inbox.closed and self._may_step(engine)
+            if stepping and (step_anyway or self._output_waiting()):
+                self._step(engine, outbox)
             self._flush(engine, outbox)
 
-    def _flush(self, engine: LLMEngine, outbox: Outbox) -> None:
+    def _wait(self, engine: EngineLike) -> tuple[deque[Command], bool]:
+        """Take the next commands, sleeping as long as nothing else is due.
+
+        Returns them, and whether to step even if no output is known to wait.
+        """
+        if not self._may_step(engine):
+            return self.inbox.take(block=True), False
+        if self._output_waiting():
+            return self.inbox.take(block=False), False
+        if self._hook_fired:
+            return self.inbox.take(block=True, timeout=_POLL_SECONDS), False
+        began = time.monotonic()
+        commands = self.inbox.take(block=True, timeout=_FIRST_WAIT_SECONDS)
+        waited = time.monotonic() - began >= _FIRST_WAIT_SECONDS
+        return commands, waited and not self._hook_fired
+
+    def _may_step(self, engine: EngineLike) -> bool:
+        return self.registry.control.stepping and engine.has_unfinished_requests()
+
+    def _output_waiting(self) -> bool:
+        ready = self._output_ready
+        return ready is None or ready()
+
+    def _step(self, engine: EngineLike, outbox: Outbox) -> None:
+        counters = self.counters
+        began = counters.in_step_since = time.perf_counter()
+        outputs = engine.step()
+        counters.in_step_since = None
+        counters.count_step(began)
+        delivered, finished = self.registry.dispatch(outputs, outbox)
+        counters.outputs_delivered += delivered
+        counters.requests_finished += finished
+        if self.registry.control.pending:
+            steps = counters.steps
+            self._change(engine, outbox, lambda c: c.stepped(steps), None)
+
+    def _flush(self, engine: EngineLike, outbox: Outbox) -> None:
         """Send the loops their answers, then settle what the pass changed.
 
         A closed loop's requests are aborted here; and whatever ended the last
@@ -277,275 +266,167 @@ class Worker:
         """
         for loop in outbox.flush():
             self._forget_loop(engine, loop)
-        if self._drain_waiters and not engine.has_unfinished_requests():
-            self._finish_drain(engine, outbox)
+        if self.registry.control.drains and not engine.has_unfinished_requests():
+            self._change(engine, outbox, lambda c: c.drained(), None)
             for loop in outbox.flush():
                 self._forget_loop(engine, loop)
 
-    def _count_step(self, began: float) -> None:
-        now = time.perf_counter()
-        took = self.last_step_seconds = now - began
-        # Interval between step ends, so the rate includes the worker's own overhead.
-        interval = took if self.last_step_end is None else now - self.last_step_end
-        avg = self.step_seconds_avg
-        self.step_seconds_avg = interval if avg == 0.0 else 0.9 * avg + 0.1 * interval
-        self.last_step_end = now
-        self.step_count += 1
-
-    def _may_step(self, engine: LLMEngine) -> bool:
-        return not self._holds and not self._keep and engine.has_unfinished_requests()
-
-    def _step_ready(self, engine: LLMEngine) -> bool:
-        """Whether to step now: allowed to, and (multiprocess) the core's output is in."""
-        if not self._may_step(engine):
-            return False
-        ready = self._output_ready
-        return ready is None or ready()
-
-    def _dispatch(self, outputs: list[Any], outbox: Outbox) -> None:
-        routes = self._routes
-        delivered = finished = 0
-        with self._lock:
-            for out in outputs:
-                route = routes.get(out.request_id)
-                if route is None:
-                    continue  # aborted since, or not ours
-                outbox.post(route.loop, route.sink.push, out)
-                delivered += 1
-                if out.finished:
-                    del routes[out.request_id]
-                    finished += 1
-        self.outputs_delivered += delivered
-        self.requests_finished += finished
-
-    def _after_step(self, engine: LLMEngine, outbox: Outbox) -> None:
-        if self._pending_holds:
-            with self._lock:
-                due = [h for h in self._pending_holds if h.at_step == self.step_count]
-                self._pending_holds = [h for h in self._pending_holds if h not in due]
-            for hold in due:
-                self._holds.add(hold.token)
-                hold.reply.ok(outbox, self.step_count)
-
     # -- commands ------------------------------------------------------------------
 
-    def _apply(self, engine: LLMEngine, command: Command, outbox: Outbox) -> None:
-        if isinstance(command, Add):
-            if self.admission_paused:
-                self._enlist(self._parked, command, command.sink.loop, command.sink.fail, outbox)
-            else:
-                self._admit(engine, command, outbox)
-        elif isinstance(command, Abort):
-            for request_id in command.request_ids:
-                self._abort(engine, request_id, outbox, command.why)
-            if command.reply is not None:
-                command.reply.ok(outbox)
-        elif isinstance(command, Call):
-            try:
-                result = command.fn(engine)
-            except VllmEngineDeadError:
-                raise
-            except Exception as exc:
-                # A call into a core that died meanwhile fails with the watchdog's
-                # cause: report the death, as every other command gets.
-                command.reply.fail(outbox, self.dead_error or exc)
-            else:
-                command.reply.ok(outbox, result)
-        elif isinstance(command, Hold):
-            self._hold(command, outbox)
-        elif isinstance(command, Release):
-            if command.token in self._holds:
-                self._holds.discard(command.token)
-                emit(logging.DEBUG, "engine released", step=self.step_count)
-            with self._lock:
-                self._pending_holds = [
-                    h for h in self._pending_holds if h.token is not command.token
-                ]
-        elif isinstance(command, Pause):
-            self._pause(engine, command, outbox)
-        elif isinstance(command, Resume):
-            self._resume(engine, outbox)
-            command.reply.ok(outbox)
+    def _apply(self, engine: EngineLike, command: Command, outbox: Outbox) -> None:
+        match command:
+            case Add():
+                self._change(engine, outbox, lambda c: c.add(command), command)
+            case Abort():
+                for request_id in command.request_ids:
+                    self._abort(engine, request_id, outbox, command.why)
+                if command.reply is not None:
+                    command.reply.ok(outbox)
+            case Call():
+                try:
+                    result = command.fn(engine)
+                except Exception as exc:
+                    if is_engine_dead(exc):
+                        raise
+                    # A call into a core that died meanwhile fails with the watchdog's
+                    # cause: report the death, as every other command gets.
+                    command.reply.fail(outbox, self.registry.dead_error or exc)
+                else:
+                    command.reply.ok(outbox, result)
+            case Hold():
+                steps = self.counters.steps
+                self._change(
+                    engine,
+                    outbox,
+                    lambda c: c.hold(
+                        command.token, command.at_step, steps, command.reply, command.caller_holds
+                    ),
+                    command,
+                )
+            case Release():
+                self._change(engine, outbox, lambda c: (c.release(command.token), []), None)
+            case Pause():
+                busy = engine.has_unfinished_requests()
+                emit(logging.INFO, "generation paused", mode=command.mode, step=self.counters.steps)
+                self._change(
+                    engine,
+                    outbox,
+                    lambda c: c.pause(
+                        command.mode, command.clear_cache, command.reply, busy, command.caller_holds
+                    ),
+                    command,
+                )
+            case Resume():
+                admitted = len(self.registry.control.parked)
+                self._change(engine, outbox, lambda c: c.resume(command.reply), command)
+                emit(
+                    logging.INFO, "generation resumed", step=self.counters.steps, admitted=admitted
+                )
+            case _:
+                assert_never(command)
 
-    def _enlist(
+    def _change(
         self,
-        items: list[T],
-        item: T,
-        loop: asyncio.AbstractEventLoop,
-        fail: Callable[[BaseException], None],
+        engine: EngineLike,
         outbox: Outbox,
+        transition: Transition,
+        command: Command | None,
     ) -> None:
-        # die() and close() may run in the middle of a pass: what they can't see
-        # any more must be answered here.
-        with self._lock:
-            if (error := self.inbox.error) is None:
-                items.append(item)
-        if error is not None:
-            outbox.post(loop, fail, error)
+        """Make a control transition and carry out its effects.
 
-    def _admit(self, engine: LLMEngine, command: Add, outbox: Outbox) -> None:
-        request_id = command.request_id
-        if request_id in self._routes:
+        Once ended (died or closed mid-pass), ``command`` gets the error instead.
+        """
+        effects = self.registry.change(transition)
+        if isinstance(effects, BaseException):
+            if command is not None:
+                command.fail(outbox, effects)
+            return
+        for effect in effects:
+            self._carry_out(engine, effect, outbox)
+
+    def _carry_out(self, engine: EngineLike, effect: Effect[Add, Reply], outbox: Outbox) -> None:
+        match effect:
+            case Admit():
+                self._admit(engine, effect.request, outbox)
+            case AbortParked():
+                # Admitted and aborted at once, so that it ends like any aborted request.
+                self._admit(engine, effect.request, outbox)
+                self._abort_route(engine, effect.request.request_id, outbox, "explicit")
+            case AbortAll():
+                for request_id in list(self.registry.routes):
+                    self._abort_route(engine, request_id, outbox, effect.why)
+            case Answer():
+                effect.reply.ok(outbox, effect.value)
+            case Fail():
+                effect.reply.fail(outbox, effect.error)
+            case ResetCache():
+                engine.reset_prefix_cache(reset_running_requests=effect.running)
+            case PauseCore():
+                pause_core_scheduler(engine, effect.clear_cache)
+            case ResumeCore():
+                resume_core_scheduler(engine)
+            case _:
+                assert_never(effect)
+
+    def _admit(self, engine: EngineLike, add: Add, outbox: Outbox) -> None:
+        request_id = add.request_id
+        if request_id in self.registry.routes:
             # vLLM can't tell two live requests with one id apart: aborting one
             # would abort both.
             duplicate = ValueError(f"request id {request_id!r} is already in flight")
-            outbox.post(command.sink.loop, command.sink.fail, duplicate)
+            outbox.post(add.sink.loop, add.sink.fail, duplicate)
             return
         try:
-            engine.add_request(request_id, command.prompt, command.params, **command.kwargs)
-        except VllmEngineDeadError:
-            raise
-        except Exception as exc:  # bad input: this caller's problem only
-            # add_request may have registered the request before raising; left
-            # there, it would make the worker step for a request that never runs.
-            with contextlib.suppress(Exception):
+            engine.add_request(request_id, add.prompt, add.params, **add.kwargs)
+        except Exception as exc:
+            if is_engine_dead(exc):
+                raise
+            # Bad input: this caller's problem only. add_request may have
+            # registered the request before raising; left there, it would make
+            # the worker step for a request that never runs.
+            try:
                 engine.abort_request([request_id])
-            outbox.post(command.sink.loop, command.sink.fail, exc)
+            except Exception as cleanup:
+                emit(logging.DEBUG, "abort after refusal failed", error=str(cleanup))
+            outbox.post(add.sink.loop, add.sink.fail, exc)
             return
-        with self._lock:
-            if (error := self.inbox.error) is None:
-                if not self._routes:
-                    self.busy_since = time.perf_counter()
-                self._routes[request_id] = _Route(command.sink, command.sink.loop)
-                self.loops.add(command.sink.loop)
-        if error is None and enabled(logging.DEBUG):
-            emit(logging.DEBUG, "request added", request_id=request_id, step=self.step_count)
-        if error is not None:  # closed or dead meanwhile: die()/close() can't see it
-            outbox.post(command.sink.loop, command.sink.fail, error)
+        if not self.registry.routes:
+            self.counters.busy_since = time.perf_counter()
+        error = self.registry.add_route(request_id, Route(add.sink, add.sink.loop))
+        if error is not None:  # closed or dead meanwhile: the end can't see it
+            outbox.post(add.sink.loop, add.sink.fail, error)
+            return
+        self.counters.loops.add(add.sink.loop)
+        if enabled(logging.DEBUG):
+            emit(logging.DEBUG, "request added", request_id=request_id, step=self.counters.steps)
 
-    def _abort(self, engine: LLMEngine, request_id: str, outbox: Outbox, why: str) -> None:
-        parked = next((a for a in self._parked if a.request_id == request_id), None)
-        if parked is not None:
-            # Admitted and aborted at once, so that it ends like any aborted request.
-            with self._lock:
-                self._parked.remove(parked)
-            self._admit(engine, parked, outbox)
-        with self._lock:
-            route = self._routes.pop(request_id, None)
+    def _abort(self, engine: EngineLike, request_id: str, outbox: Outbox, why: str) -> None:
+        if self.registry.control.parked:
+            self._change(
+                engine, outbox, lambda c: c.abort_parked(lambda a: a.request_id == request_id), None
+            )
+        self._abort_route(engine, request_id, outbox, why)
+
+    def _abort_route(self, engine: EngineLike, request_id: str, outbox: Outbox, why: str) -> None:
+        route = self.registry.pop_route(request_id)
         if route is None:
             return  # unknown or finished: a no-op
         outbox.post(route.loop, route.sink.aborting, why)
         for out in abort_outputs(engine, request_id):
             outbox.post(route.loop, route.sink.push, out)
-            self.outputs_delivered += 1
+            self.counters.outputs_delivered += 1
         # Runs after the pushes; a no-op if one of them was final.
         outbox.post(route.loop, route.sink.abort)
         engine.abort_request([request_id])
-        self.requests_aborted += 1
-        self.requests_finished += 1
+        self.counters.requests_aborted += 1
+        self.counters.requests_finished += 1
 
-    def _hold(self, hold: Hold, outbox: Outbox) -> None:
-        if hold.at_step is None or hold.at_step == self.step_count:
-            self._holds.add(hold.token)
-            hold.reply.ok(outbox, self.step_count)
-            emit(logging.DEBUG, "engine held", step=self.step_count)
-        elif hold.at_step < self.step_count:
-            error = ValueError(f"step {hold.at_step} has passed: {self.step_count} steps are done")
-            hold.reply.fail(outbox, error)
-        else:
-            self._enlist(
-                self._pending_holds,
-                hold,
-                hold.reply.loop,
-                _fail_future(hold.reply),
-                outbox,
-            )
-
-    def _pause(self, engine: LLMEngine, pause: Pause, outbox: Outbox) -> None:
-        emit(logging.INFO, "generation paused", mode=pause.mode, step=self.step_count)
-        self.admission_paused = True
-        if pause.mode == "abort":
-            for request_id in list(self._routes):
-                self._abort(engine, request_id, outbox, "paused")
-        elif pause.mode == "keep":
-            self._keep = True
-            # Multiprocess: the engine core steps on its own, ahead of step();
-            # not calling step() would not freeze it, so pause its scheduler.
-            if pause_core_scheduler(engine, pause.clear_cache):
-                self._core_paused = True
-            elif pause.clear_cache:
-                engine.reset_prefix_cache(reset_running_requests=True)
-            pause.reply.ok(outbox)
-            return
-        waiter = (pause.reply, pause.clear_cache)
-        self._enlist(
-            self._drain_waiters,
-            waiter,
-            pause.reply.loop,
-            _fail_future(pause.reply),
-            outbox,
-        )
-        if not engine.has_unfinished_requests():
-            self._finish_drain(engine, outbox)
-
-    def _finish_drain(self, engine: LLMEngine, outbox: Outbox) -> None:
-        if any(clear for _, clear in self._drain_waiters):
-            engine.reset_prefix_cache()  # before taking them: die() answers them if it raises
-        with self._lock:
-            waiters, self._drain_waiters = self._drain_waiters, []
-        for reply, _ in waiters:
-            reply.ok(outbox)
-
-    def _resume(self, engine: LLMEngine, outbox: Outbox) -> None:
-        if self._core_paused:
-            resume_core_scheduler(engine)
-            self._core_paused = False
-        self.admission_paused = False
-        self._keep = False
-        with self._lock:
-            parked, self._parked = self._parked, []
-            waiters, self._drain_waiters = self._drain_waiters, []
-        for reply, _ in waiters:
-            reply.ok(outbox)
-        emit(logging.INFO, "generation resumed", step=self.step_count, admitted=len(parked))
-        for add in parked:
-            self._admit(engine, add, outbox)
-
-    def _forget_loop(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def _forget_loop(self, engine: EngineLike, loop: asyncio.AbstractEventLoop) -> None:
         # Nobody can read the outputs of a closed loop's streams: stop computing them.
-        with self._lock:
-            ids = [rid for rid, route in self._routes.items() if route.loop is loop]
-            for rid in ids:
-                del self._routes[rid]
-            self._parked = [a for a in self._parked if a.sink.loop is not loop]
+        ids = self.registry.forget(loop)
         if ids:
             engine.abort_request(ids)
-            self.requests_aborted += len(ids)
-
-    # -- the watchdog thread -------------------------------------------------------
-
-    def _watch(self) -> None:
-        """Turn the death of an engine process into ``die`` (runs on its own thread).
-
-        In multiprocess mode vLLM 0.32's ``step()`` can block forever once the
-        engine-core process is gone, so the worker can't be the one to notice.
-        """
-        by_sentinel = {p.sentinel: p for p in self._processes}
-        while not self._closing.is_set():
-            ready = connection.wait(list(by_sentinel), timeout=1.0)
-            if not ready or self._closing.is_set():
-                continue
-            process = by_sentinel[ready[0]]  # type: ignore[index]
-            process.join(1.0)  # the sentinel fires before the exit code is reaped
-            # vLLM's own shutdown may be reaping it on another thread at this moment:
-            # then the code appears on the shared process object a moment later.
-            for _ in range(20):
-                if process.exitcode is not None or self._closing.wait(0.05):
-                    break
-            status = exit_status(process.exitcode)
-            cause = ChildProcessError(f"engine process {process.name} (pid {process.pid}) {status}")
-            self.die(cause)
-            engine = self._engine
-            if engine is not None:
-                unblock_step(engine, cause)
-            # A command the worker was already applying may still call into the
-            # dead core after that: keep failing such calls until the worker stops.
-            while engine is not None and not self._closing.is_set():
-                self._thread.join(0.1)
-                if not self._thread.is_alive():
-                    break
-                fail_utility_calls(engine, cause)
-            return
+            self.counters.requests_aborted += len(ids)
 
 
 def _freeze_heap() -> None:
@@ -559,18 +440,3 @@ def _freeze_heap() -> None:
     """
     gc.collect()
     gc.freeze()
-
-
-def _fail_future(reply: Reply) -> Callable[[BaseException], None]:
-    def fail(error: BaseException) -> None:
-        if not reply.future.done():
-            reply.future.set_exception(error)
-
-    return fail
-
-
-def _fail_waiting(waiting: _Waiting, error: BaseException) -> None:
-    outbox = Outbox()
-    for loop, fail in waiting:
-        outbox.post(loop, fail, error)
-    outbox.flush()

@@ -1,0 +1,175 @@
+"""The registry: everything that waits for the worker, behind its one lock.
+
+The worker thread changes it as it works; ``die`` (the worker or the watchdog
+thread) and ``close`` (the closing thread) end it from elsewhere and fail
+everything it holds. The lock is taken only in this module's methods, each
+of which does bookkeeping alone (no engine call, no answer sent), so it is
+held for microseconds. Whatever an ``end`` can't see any more (a command the
+worker was applying when the end came) is reported back to the worker by the
+method it calls, which then answers it with ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._control import Control, Effect
+
+if TYPE_CHECKING:
+    from ._commands import Add, Command, Outbox, Reply
+    from ._inbox import Inbox
+    from ._stream import _Sink
+
+__all__ = ("Ended", "Life", "Registry", "Route")
+
+
+class Life(enum.Enum):
+    """The worker's lifecycle: NEW -> STARTING -> RUNNING -> DEAD or CLOSED (DEAD -> CLOSED)."""
+
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    DEAD = "dead"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False, slots=True)
+class Route:
+    """Where one admitted request's outputs go."""
+
+    sink: _Sink
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(slots=True)
+class Ended:
+    """What an ``end`` took: everything that must now be answered with ``error``."""
+
+    error: BaseException
+    commands: list[Command]
+    sinks: list[_Sink]
+    replies: list[Reply]
+
+    def fail(self, outbox: Outbox) -> None:
+        """Post the failure of everything taken (from any thread)."""
+        for command in self.commands:
+            command.fail(outbox, self.error)
+        for sink in self.sinks:
+            outbox.post(sink.loop, sink.fail, self.error)
+        for reply in self.replies:
+            reply.fail(outbox, self.error)
+
+
+if TYPE_CHECKING:
+    ControlState = Control[Add, Reply]
+    Transition = Callable[[ControlState], tuple[ControlState, list[Effect[Add, Reply]]]]
+
+
+class Registry:
+    """The routes, the admission/hold/pause state and the lifecycle of one worker.
+
+    ``control``, ``routes`` and ``life`` may be read from any thread without
+    the lock (a reference or a length: one word); every change goes through
+    a method here, under the lock.
+    """
+
+    def __init__(self, inbox: Inbox[Command]) -> None:
+        self._lock = threading.Lock()
+        self._inbox = inbox
+        self.life = Life.NEW
+        self.control: ControlState = Control()
+        self.routes: dict[str, Route] = {}
+        self.error: BaseException | None = None
+        """Why it ended: the ``EngineClosedError`` or ``EngineDeadError`` (None while alive)."""
+        self.dead_error: BaseException | None = None
+        """The ``EngineDeadError`` if the engine died, even once closed after."""
+
+    @property
+    def ended(self) -> bool:
+        """Whether the engine is dead or closed."""
+        return self.error is not None
+
+    def set_life(self, life: Life) -> None:
+        """Move NEW -> STARTING -> RUNNING; ignored once ended (worker thread)."""
+        with self._lock:
+            if self.error is None:
+                self.life = life
+
+    def set_core(self, core: bool) -> None:
+        """Record, once the engine is built, whether it has an engine-core process."""
+        with self._lock:
+            self.control = Control(core=core)
+
+    def change(self, transition: Transition) -> list[Effect[Add, Reply]] | BaseException:
+        """Make a control transition and return its effects, or the error if ended."""
+        with self._lock:
+            if self.error is not None:
+                return self.error
+            self.control, effects = transition(self.control)
+            return effects
+
+    def add_route(self, request_id: str, route: Route) -> BaseException | None:
+        """Route an admitted request's outputs; returns the error instead if ended."""
+        with self._lock:
+            if self.error is None:
+                self.routes[request_id] = route
+            return self.error
+
+    def pop_route(self, request_id: str) -> Route | None:
+        """Stop routing a request (aborted); None if unknown or finished."""
+        with self._lock:
+            return self.routes.pop(request_id, None)
+
+    def dispatch(self, outputs: Iterable[Any], outbox: Outbox) -> tuple[int, int]:
+        """Post each output to its stream; return (delivered, finished)."""
+        delivered = finished = 0
+        with self._lock:
+            routes = self.routes
+            for out in outputs:
+                route = routes.get(out.request_id)
+                if route is None:
+                    continue  # aborted since, or not ours
+                outbox.post(route.loop, route.sink.push, out)
+                delivered += 1
+                if out.finished:
+                    del routes[out.request_id]
+                    finished += 1
+        return delivered, finished
+
+    def forget(self, loop: asyncio.AbstractEventLoop) -> list[str]:
+        """Drop a closed loop's routes and parked requests; return the ids to abort."""
+        with self._lock:
+            ids = [rid for rid, route in self.routes.items() if route.loop is loop]
+            for rid in ids:
+                del self.routes[rid]
+            self.control = self.control.forget(lambda add: add.sink.loop is loop)
+        return ids
+
+    def end(self, life: Life, error: BaseException) -> Ended | None:
+        """Die or close: refuse every later command and take everything that waits.
+
+        Returns None if already ended that way (idempotent); a close after a
+        death only records the close.
+        """
+        with self._lock:
+            if self.life is Life.CLOSED or (self.life is Life.DEAD and life is Life.DEAD):
+                return None
+            first = self.error is None
+            self.life = life
+            if life is Life.DEAD:
+                self.dead_error = error
+            if not first:
+                return Ended(error, [], [], [])
+            self.error = error
+            commands = list(self._inbox.close(error))
+            parked, replies = self.control.waiting()
+            sinks = [route.sink for route in self.routes.values()]
+            sinks += [add.sink for add in parked]
+            self.routes = {}
+            self.control = Control(core=self.control.core)
+            return Ended(error, commands, sinks, replies)
