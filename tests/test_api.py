@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import asynckv
 
@@ -54,3 +55,12 @@ def test_asyncllm_names_are_present() -> None:
         "shutdown",
     ):
         assert hasattr(asynckv.AsyncEngine, name), name
+
+
+if TYPE_CHECKING:
+    # mypy checks that one engine and a pool both implement the shared API.
+    def _engine_is_api(engine: asynckv.AsyncEngine) -> asynckv.AsyncEngineAPI:
+        return engine
+
+    def _pool_is_api(pool: asynckv.AsyncEnginePool) -> asynckv.AsyncEngineAPI:
+        return pool

@@ -26,6 +26,7 @@ from asynckv import (
     AsyncEnginePool,
     EngineClosedError,
     EngineDeadError,
+    EngineHeldError,
     EngineNotStartedError,
     RequestStream,
 )
@@ -171,6 +172,33 @@ async def test_dead_engine_fails_only_its_own_requests() -> None:
             pool.generate("nobody left")
         with pytest.raises(EngineDeadError, match="every engine in the pool is dead"):
             await pool.reset_prefix_cache()
+
+
+async def test_pool_speaks_the_engines_control_api() -> None:
+    """stats, check_health, pause/resume/is_paused apply to every live engine, as on one engine."""
+    async with fake_pool(2) as (pool, fakes):
+        for fake in fakes:
+            fake.gate.set()
+        long = [pool.generate(f"long {i}", SamplingParams(max_tokens=10**6)) for i in range(2)]
+        assert set(where(pool, long)) == {0, 1}
+        await pool.check_health(stall_timeout=60)
+        await pool.pause_generation(mode="keep")
+        assert await pool.is_paused()
+        assert all([await engine.is_paused() for engine in pool.engines])
+        stats = pool.stats()
+        assert stats.paused and stats.requests_in_flight == 2
+        assert stats.requests_in_flight == sum(e.stats().requests_in_flight for e in pool.engines)
+        with pytest.raises(EngineHeldError):
+            await pool.pause_generation(mode="wait")
+        with pytest.raises(ValueError, match="mode must be one of"):
+            await pool.pause_generation(mode="later")  # type: ignore[arg-type]
+        await pool.resume_generation()
+        assert not await pool.is_paused()
+        await pool.pause_generation(mode="abort")
+        finals = [await stream for stream in long]
+        assert all(f.outputs[0].finish_reason == "abort" for f in finals)
+        assert pool.stats().requests_aborted == 2
+        await pool.resume_generation()
 
 
 async def test_lifecycle_errors() -> None:

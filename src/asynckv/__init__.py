@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._api import AsyncEngineAPI
 from ._engine import AsyncEngine
 from ._errors import (
     AsyncKVError,
@@ -19,6 +20,7 @@ from ._stream import RequestStream
 
 __all__ = (
     "AsyncEngine",
+    "AsyncEngineAPI",
     "AsyncEnginePool",
     "AsyncKVError",
     "EngineClosedError",

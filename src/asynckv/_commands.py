@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllm import LLMEngine
     from vllm.sampling_params import SamplingParams
 
-    from ._stream import _Sink
+    from ._sink import _Sink
 
 __all__ = (
     "Abort",

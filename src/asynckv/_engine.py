@@ -14,12 +14,12 @@ import contextvars
 import functools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from vllm.sampling_params import SamplingParams
 
+from . import _checks
 from ._commands import Abort, Add, Call, Hold, Pause, PauseMode, Release, Reply, Resume
 from ._errors import (
     EngineClosedError,
@@ -28,8 +28,9 @@ from ._errors import (
     EngineStalledError,
 )
 from ._log import emit
+from ._sink import _Sink
 from ._stats import EngineStats
-from ._stream import RequestStream, _Sink
+from ._stream import RequestStream
 from ._worker import Worker
 
 if TYPE_CHECKING:
@@ -187,17 +188,8 @@ class AsyncEngine:
             EngineClosedError, EngineDeadError, EngineNotStartedError: at once.
         """
         loop = asyncio.get_running_loop()
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
-            kind = type(params).__name__
-            raise TypeError(f"sampling_params must be a SamplingParams, not {kind}")
-        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
-            # vLLM 0.32 accepts it, then its engine core drops the request and
-            # step() never returns: refuse it here.
-            raise ValueError(f"seed must fit in 64 bits, got {params.seed}")
-        rid = uuid.uuid4().hex if request_id is None else request_id
-        if not isinstance(rid, str):
-            raise TypeError(f"request_id must be a str, not {type(rid).__name__}")
+        params = _checks.sampling_params(sampling_params)
+        rid = _checks.request_id(request_id)
         sink = _Sink(loop, rid, params.output_kind, params.n)
         self._submit(Add(rid, prompt, params, kwargs, sink))
         return RequestStream(rid, sink, self._abort_soon)
@@ -213,9 +205,7 @@ class AsyncEngine:
         Each stream ends with a final output whose unfinished completions have
         ``finish_reason == "abort"``. Unknown or finished ids are ignored.
         """
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if not all(isinstance(i, str) for i in ids):
-            raise TypeError("request ids must be str")
+        ids = _checks.request_ids(request_id)
         await self._ask(lambda reply: Abort(ids, reply))
 
     # -- between two steps ---------------------------------------------------------
@@ -336,8 +326,7 @@ class AsyncEngine:
                 pause or the caller's own ``paused()`` block stops the stepping
                 (it could never return); nothing changes.
         """
-        if mode not in get_args(PauseMode):
-            raise ValueError(f"mode must be one of {get_args(PauseMode)}, not {mode!r}")
+        mode = _checks.pause_mode(mode)
         holding = _HOLDING.get()
         await self._ask(lambda reply: Pause(mode, clear_cache, reply, holding))
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import uuid
-import weakref
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from . import _checks
+from ._affinity import PrefixIndex, Router
 from ._engine import AsyncEngine
 from ._errors import EngineClosedError, EngineDeadError
+from ._stats import EngineStats
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from vllm import EngineArgs
     from vllm.sampling_params import SamplingParams
 
+    from ._control import PauseMode
     from ._stream import RequestStream
 
 __all__ = ("AsyncEnginePool",)
@@ -77,18 +78,10 @@ class AsyncEnginePool:
             raise ValueError("a pool needs at least one engine")
         if affinity_slack < 0:
             raise ValueError("affinity_slack must be >= 0")
-        if min(block_tokens, block_chars, max_prefixes) < 1:
-            raise ValueError("block_tokens, block_chars and max_prefixes must be >= 1")
-        self._slack = affinity_slack
-        self._block_tokens = block_tokens
-        self._block_chars = block_chars
-        self._max_prefixes = max_prefixes
         self._lock = threading.Lock()
-        # Per engine, the pool's requests on it. Weak, so that dropping a stream
-        # still aborts its request (the stream's own guarantee).
-        self._streams: list[dict[str, weakref.ref[RequestStream]]] = [{} for _ in self._engines]
-        self._prefixes: OrderedDict[int, int] = OrderedDict()  # block-chain hash -> engine
-        self._cursor = 0
+        self._router = Router(
+            self._engines, affinity_slack, PrefixIndex(block_tokens, block_chars, max_prefixes)
+        )
         self._closed = False
 
     @classmethod
@@ -187,17 +180,18 @@ class AsyncEnginePool:
             EngineDeadError: every engine is dead.
             EngineClosedError, EngineNotStartedError: at once.
         """
-        rid = uuid.uuid4().hex if request_id is None else request_id
-        if not isinstance(rid, str):
-            raise TypeError(f"request_id must be a str, not {type(rid).__name__}")
-        keys = self._prefix_keys(prompt, kwargs)
+        rid = _checks.request_id(request_id)
+        sampling_params = _checks.sampling_params(sampling_params)
+        keys = self._router.prefixes.keys(prompt, kwargs)
         with self._lock:
             self._check_open()
-            if self._owner(rid) is not None:
+            if self._router.owner(rid) is not None:
                 raise ValueError(f"request id {rid!r} is already in flight in the pool")
             refused: set[int] = set()
             while True:
-                index = self._choose(keys, refused)
+                index = self._router.choose(keys, refused)
+                if index is None:
+                    raise self._all_dead()
                 try:
                     stream = self._engines[index].generate(prompt, sampling_params, rid, **kwargs)
                 except (EngineDeadError, EngineClosedError):
@@ -206,8 +200,7 @@ class AsyncEnginePool:
                     refused.add(index)
                     continue
                 break
-            self._streams[index][rid] = weakref.ref(stream)
-            self._remember(keys, index)
+            self._router.track(index, rid, stream, keys)
         return stream
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
@@ -218,14 +211,12 @@ class AsyncEnginePool:
         engine directly) are ignored, and so are engines that died meanwhile
         (their streams have already failed).
         """
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if not all(isinstance(i, str) for i in ids):
-            raise TypeError("request ids must be str")
+        ids = _checks.request_ids(request_id)
         self._check_open()
         by_engine: dict[int, list[str]] = {}
         with self._lock:
             for rid in ids:
-                index = self._owner(rid)
+                index = self._router.owner(rid)
                 if index is not None:
                     by_engine.setdefault(index, []).append(rid)
         await asyncio.gather(
@@ -245,7 +236,7 @@ class AsyncEnginePool:
         has not ended yet.
         """
         with self._lock:
-            return self._owner(request_id)
+            return self._router.owner(request_id)
 
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
@@ -272,9 +263,7 @@ class AsyncEnginePool:
             )
         )
         with self._lock:
-            self._prefixes = OrderedDict(
-                (key, index) for key, index in self._prefixes.items() if not results[index]
-            )
+            self._router.prefixes.forget(lambda index: results[index])
         return results
 
     @staticmethod
@@ -284,43 +273,75 @@ class AsyncEnginePool:
         except (EngineDeadError, EngineClosedError):
             return False
 
-    # -- routing, with the lock held -------------------------------------------------
+    # -- the engine's API, over every live engine ------------------------------------
 
-    def _owner(self, request_id: str) -> int | None:
-        for index, streams in enumerate(self._streams):
-            ref = streams.get(request_id)
-            if ref is not None:
-                stream = ref()
-                if stream is not None and not stream.finished:
-                    return index
-                del streams[request_id]
-        return None
+    def stats(self) -> EngineStats:
+        """The engines' ``stats()`` combined; never blocks, safe from any thread.
 
-    def _load(self, index: int) -> int:
-        streams = self._streams[index]
-        # Drop what ended. Linear in the requests in flight, which is fine for
-        # a few hundred per engine; the engine's own counters can't replace it,
-        # since a request submitted a moment ago may not be admitted yet.
-        ended = [rid for rid, ref in streams.items() if (s := ref()) is None or s.finished]
-        for rid in ended:
-            del streams[rid]
-        stats = self._engines[index].stats()
-        return max(len(streams), stats.requests_in_flight + stats.requests_waiting)
+        Counts and rates are summed over the engines (dead ones keep what they
+        counted), ``last_step_seconds`` is the largest, ``seconds_since_last_step``
+        the smallest, ``loops_served`` the largest (a loop may use several engines),
+        and ``paused`` is whether any engine is paused or held.
+        """
+        return EngineStats.combine([engine.stats() for engine in self._engines])
 
-    def _choose(self, keys: Sequence[int], refused: set[int]) -> int:
-        live = [
-            i for i, engine in enumerate(self._engines) if i not in refused and not engine.errored
-        ]
+    async def check_health(self, stall_timeout: float | None = None) -> None:
+        """Raise unless the pool can serve: some engine is alive and none of the live ones stalls.
+
+        Never waits for a worker. A dead engine alone doesn't fail the check
+        (the pool routes around it); a stalled live one does, since requests
+        routed to it make no progress.
+
+        Raises:
+            EngineClosedError: the pool was closed.
+            EngineDeadError: every engine is dead.
+            EngineStalledError: a live engine is stalled (``AsyncEngine.check_health``).
+        """
+        self._check_open()
+        live = self._live()
+        for engine in live:
+            await engine.check_health(stall_timeout)
+
+    async def pause_generation(
+        self, *, mode: PauseMode = "abort", clear_cache: bool = True
+    ) -> None:
+        """``pause_generation`` on every live engine, concurrently; returns once all have.
+
+        Raises as ``AsyncEngine.pause_generation`` (the first error of any
+        engine), and ``EngineDeadError`` if every engine is dead.
+        """
+        mode = _checks.pause_mode(mode)
+        self._check_open()
+        await self._on_live(lambda e: e.pause_generation(mode=mode, clear_cache=clear_cache))
+
+    async def resume_generation(self) -> None:
+        """``resume_generation`` on every live engine, concurrently."""
+        self._check_open()
+        await self._on_live(lambda e: e.resume_generation())
+
+    async def is_paused(self) -> bool:
+        """Whether ``pause_generation`` is in force on any live engine."""
+        self._check_open()
+        return any([await engine.is_paused() for engine in self._live()])
+
+    def _live(self) -> list[AsyncEngine]:
+        live = [engine for engine in self._engines if not engine.errored]
         if not live:
             raise self._all_dead()
-        load = {i: self._load(i) for i in live}
-        count = len(self._engines)
-        least = min(live, key=lambda i: (load[i], (i - self._cursor) % count))
-        preferred = self._match(keys)
-        if preferred in load and load[preferred] <= load[least] + self._slack:
-            return preferred
-        self._cursor = (least + 1) % count
-        return least
+        return live
+
+    async def _on_live(self, call: Callable[[AsyncEngine], Awaitable[None]]) -> None:
+        # An engine that dies meanwhile has ended its own streams: skip it.
+        async def one(engine: AsyncEngine) -> None:
+            try:
+                await call(engine)
+            except EngineDeadError:
+                if not engine.errored:
+                    raise
+
+        await asyncio.gather(*(one(engine) for engine in self._live()))
+
+    # -- routing, with the lock held -------------------------------------------------
 
     def _all_dead(self) -> BaseException:
         dead = [
@@ -331,53 +352,3 @@ class AsyncEnginePool:
         if not dead:
             return EngineClosedError()  # every engine was closed on its own
         return EngineDeadError(ExceptionGroup("every engine in the pool is dead", dead))
-
-    def _match(self, keys: Sequence[int]) -> int | None:
-        # A block's hash covers every block before it, so the first miss ends the match.
-        found = None
-        for key in keys:
-            index = self._prefixes.get(key)
-            if index is None:
-                break
-            found = index
-        return found
-
-    def _remember(self, keys: Sequence[int], index: int) -> None:
-        prefixes = self._prefixes
-        # Leaves first, so a prompt's first blocks end up most recent and the
-        # least-recently-used end evicts leaves before the roots that lead to them.
-        for key in reversed(keys):
-            prefixes[key] = index
-            prefixes.move_to_end(key)
-        while len(prefixes) > self._max_prefixes:
-            prefixes.popitem(last=False)
-
-    # -- prefixes, without the lock ------------------------------------------------
-
-    def _prefix_keys(self, prompt: Any, kwargs: Mapping[str, Any]) -> list[int]:
-        """The chained hashes of the prompt's whole blocks; empty if it has no text or tokens.
-
-        Python's ``hash`` is enough: a collision only misroutes one request.
-        """
-        salt = None
-        if isinstance(prompt, Mapping):
-            salt = prompt.get("cache_salt")
-            if (ids := prompt.get("prompt_token_ids")) is not None:
-                units: Sequence[Any] = list(ids)
-                block, kind = self._block_tokens, "tokens"
-            elif isinstance(text := prompt.get("prompt"), str):
-                units, block, kind = text, self._block_chars, "text"
-            else:
-                return []
-        elif isinstance(prompt, str):
-            units, block, kind = prompt, self._block_chars, "text"
-        else:
-            return []
-        lora = kwargs.get("lora_request")
-        chain = hash((kind, salt, getattr(lora, "lora_int_id", None)))
-        keys = []
-        for start in range(0, len(units) - block + 1, block):
-            chunk = units[start : start + block]
-            chain = hash((chain, chunk if isinstance(chunk, str) else tuple(chunk)))
-            keys.append(chain)
-        return keys

@@ -23,7 +23,7 @@ from ._control import Control, Effect
 if TYPE_CHECKING:
     from ._commands import Add, Command, Outbox, Reply
     from ._inbox import Inbox
-    from ._stream import _Sink
+    from ._sink import _Sink
 
 __all__ = ("Ended", "Life", "Registry", "Route")
 

@@ -39,3 +39,22 @@ class EngineStats(NamedTuple):
     """Requests aborted in the engine (by cancel, break, aclose, GC, abort() or a closed loop)."""
     loops_served: int
     """Distinct event loops that have submitted requests."""
+
+    @classmethod
+    def combine(cls, each: list[EngineStats]) -> EngineStats:
+        """Several engines' stats as one (``AsyncEnginePool.stats``)."""
+        since = [s.seconds_since_last_step for s in each if s.seconds_since_last_step is not None]
+        return cls(
+            steps=sum(s.steps for s in each),
+            steps_per_second=sum(s.steps_per_second for s in each),
+            last_step_seconds=max(s.last_step_seconds for s in each),
+            seconds_since_last_step=min(since) if since else None,
+            requests_in_flight=sum(s.requests_in_flight for s in each),
+            requests_waiting=sum(s.requests_waiting for s in each),
+            paused=any(s.paused for s in each),
+            commands_queued=sum(s.commands_queued for s in each),
+            outputs_delivered=sum(s.outputs_delivered for s in each),
+            requests_finished=sum(s.requests_finished for s in each),
+            requests_aborted=sum(s.requests_aborted for s in each),
+            loops_served=max(s.loops_served for s in each),
+        )

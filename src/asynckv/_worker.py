@@ -20,32 +20,26 @@ without the hook).
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, assert_never
+from typing import TYPE_CHECKING
 
 from . import _watchdog
-from ._commands import Abort, Add, Call, Command, Hold, Outbox, Pause, Release, Reply, Resume
-from ._control import Abort as AbortParked
-from ._control import AbortAll, Admit, Answer, Effect, Fail, PauseCore, ResetCache, ResumeCore
+from ._apply import Applier
+from ._commands import Command, Outbox, Reply
 from ._counters import Counters, Snapshot
 from ._errors import EngineClosedError, EngineDeadError
 from ._inbox import Inbox
-from ._log import emit, enabled
-from ._registry import Life, Registry, Route
+from ._log import emit
+from ._registry import Life, Registry
 from ._vllm import (
     EngineLike,
-    abort_outputs,
     engine_processes,
     has_core_process,
-    is_engine_dead,
-    pause_core_scheduler,
-    resume_core_scheduler,
     shutdown_core,
     watch_outputs,
 )
@@ -53,7 +47,6 @@ from ._vllm import (
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from ._registry import Transition
 
 __all__ = ("Worker",)
 
@@ -79,6 +72,7 @@ class Worker:
         # Multiprocess mode: whether the core's next output is waiting (see _wait).
         self._output_ready: Callable[[], bool] | None = None
         self._hook_fired = False
+        self._applier = Applier(self.registry, self.counters)
 
     # -- any thread ----------------------------------------------------------------
 
@@ -203,7 +197,7 @@ class Worker:
                     break
                 command = commands.popleft()
                 try:
-                    self._apply(engine, command, outbox)
+                    self._applier.apply(engine, command, outbox)
                 except BaseException as exc:
                     # The engine broke mid-command: die() can't see this batch.
                     self.die(exc)
@@ -255,7 +249,7 @@ class Worker:
         counters.requests_finished += finished
         if self.registry.control.pending:
             steps = counters.steps
-            self._change(engine, outbox, lambda c: c.stepped(steps), None)
+            self._applier.change(engine, outbox, lambda c: c.stepped(steps), None)
 
     def _flush(self, engine: EngineLike, outbox: Outbox) -> None:
         """Send the loops their answers, then settle what the pass changed.
@@ -265,168 +259,11 @@ class Worker:
         now, not at a step that may never come.
         """
         for loop in outbox.flush():
-            self._forget_loop(engine, loop)
+            self._applier.forget_loop(engine, loop)
         if self.registry.control.drains and not engine.has_unfinished_requests():
-            self._change(engine, outbox, lambda c: c.drained(), None)
+            self._applier.change(engine, outbox, lambda c: c.drained(), None)
             for loop in outbox.flush():
-                self._forget_loop(engine, loop)
-
-    # -- commands ------------------------------------------------------------------
-
-    def _apply(self, engine: EngineLike, command: Command, outbox: Outbox) -> None:
-        match command:
-            case Add():
-                self._change(engine, outbox, lambda c: c.add(command), command)
-            case Abort():
-                for request_id in command.request_ids:
-                    self._abort(engine, request_id, outbox, command.why)
-                if command.reply is not None:
-                    command.reply.ok(outbox)
-            case Call():
-                try:
-                    result = command.fn(engine)
-                except Exception as exc:
-                    if is_engine_dead(exc):
-                        raise
-                    # A call into a core that died meanwhile fails with the watchdog's
-                    # cause: report the death, as every other command gets.
-                    command.reply.fail(outbox, self.registry.dead_error or exc)
-                else:
-                    command.reply.ok(outbox, result)
-            case Hold():
-                steps = self.counters.steps
-                self._change(
-                    engine,
-                    outbox,
-                    lambda c: c.hold(
-                        command.token, command.at_step, steps, command.reply, command.caller_holds
-                    ),
-                    command,
-                )
-            case Release():
-                self._change(engine, outbox, lambda c: (c.release(command.token), []), None)
-            case Pause():
-                busy = engine.has_unfinished_requests()
-                emit(logging.INFO, "generation paused", mode=command.mode, step=self.counters.steps)
-                self._change(
-                    engine,
-                    outbox,
-                    lambda c: c.pause(
-                        command.mode, command.clear_cache, command.reply, busy, command.caller_holds
-                    ),
-                    command,
-                )
-            case Resume():
-                admitted = len(self.registry.control.parked)
-                self._change(engine, outbox, lambda c: c.resume(command.reply), command)
-                emit(
-                    logging.INFO, "generation resumed", step=self.counters.steps, admitted=admitted
-                )
-            case _:
-                assert_never(command)
-
-    def _change(
-        self,
-        engine: EngineLike,
-        outbox: Outbox,
-        transition: Transition,
-        command: Command | None,
-    ) -> None:
-        """Make a control transition and carry out its effects.
-
-        Once ended (died or closed mid-pass), ``command`` gets the error instead.
-        """
-        effects = self.registry.change(transition)
-        if isinstance(effects, BaseException):
-            if command is not None:
-                command.fail(outbox, effects)
-            return
-        for effect in effects:
-            self._carry_out(engine, effect, outbox)
-
-    def _carry_out(self, engine: EngineLike, effect: Effect[Add, Reply], outbox: Outbox) -> None:
-        match effect:
-            case Admit():
-                self._admit(engine, effect.request, outbox)
-            case AbortParked():
-                # Admitted and aborted at once, so that it ends like any aborted request.
-                self._admit(engine, effect.request, outbox)
-                self._abort_route(engine, effect.request.request_id, outbox, "explicit")
-            case AbortAll():
-                for request_id in list(self.registry.routes):
-                    self._abort_route(engine, request_id, outbox, effect.why)
-            case Answer():
-                effect.reply.ok(outbox, effect.value)
-            case Fail():
-                effect.reply.fail(outbox, effect.error)
-            case ResetCache():
-                engine.reset_prefix_cache(reset_running_requests=effect.running)
-            case PauseCore():
-                pause_core_scheduler(engine, effect.clear_cache)
-            case ResumeCore():
-                resume_core_scheduler(engine)
-            case _:
-                assert_never(effect)
-
-    def _admit(self, engine: EngineLike, add: Add, outbox: Outbox) -> None:
-        request_id = add.request_id
-        if request_id in self.registry.routes:
-            # vLLM can't tell two live requests with one id apart: aborting one
-            # would abort both.
-            duplicate = ValueError(f"request id {request_id!r} is already in flight")
-            outbox.post(add.sink.loop, add.sink.fail, duplicate)
-            return
-        try:
-            engine.add_request(request_id, add.prompt, add.params, **add.kwargs)
-        except Exception as exc:
-            if is_engine_dead(exc):
-                raise
-            # Bad input: this caller's problem only. add_request may have
-            # registered the request before raising; left there, it would make
-            # the worker step for a request that never runs.
-            try:
-                engine.abort_request([request_id])
-            except Exception as cleanup:
-                emit(logging.DEBUG, "abort after refusal failed", error=str(cleanup))
-            outbox.post(add.sink.loop, add.sink.fail, exc)
-            return
-        if not self.registry.routes:
-            self.counters.busy_since = time.perf_counter()
-        error = self.registry.add_route(request_id, Route(add.sink, add.sink.loop))
-        if error is not None:  # closed or dead meanwhile: the end can't see it
-            outbox.post(add.sink.loop, add.sink.fail, error)
-            return
-        self.counters.loops.add(add.sink.loop)
-        if enabled(logging.DEBUG):
-            emit(logging.DEBUG, "request added", request_id=request_id, step=self.counters.steps)
-
-    def _abort(self, engine: EngineLike, request_id: str, outbox: Outbox, why: str) -> None:
-        if self.registry.control.parked:
-            self._change(
-                engine, outbox, lambda c: c.abort_parked(lambda a: a.request_id == request_id), None
-            )
-        self._abort_route(engine, request_id, outbox, why)
-
-    def _abort_route(self, engine: EngineLike, request_id: str, outbox: Outbox, why: str) -> None:
-        route = self.registry.pop_route(request_id)
-        if route is None:
-            return  # unknown or finished: a no-op
-        outbox.post(route.loop, route.sink.aborting, why)
-        for out in abort_outputs(engine, request_id):
-            outbox.post(route.loop, route.sink.push, out)
-            self.counters.outputs_delivered += 1
-        # Runs after the pushes; a no-op if one of them was final.
-        outbox.post(route.loop, route.sink.abort)
-        engine.abort_request([request_id])
-        self.counters.requests_aborted += 1
-        self.counters.requests_finished += 1
-
-    def _forget_loop(self, engine: EngineLike, loop: asyncio.AbstractEventLoop) -> None:
-        # Nobody can read the outputs of a closed loop's streams: stop computing them.
-        ids = self.registry.forget(loop)
-        if ids:
-            engine.abort_request(ids)
-            self.counters.requests_aborted += len(ids)
+                self._applier.forget_loop(engine, loop)
 
 
 def _freeze_heap() -> None:
