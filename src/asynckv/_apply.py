@@ -8,7 +8,6 @@ aborting requests, resets, the core's own pause, and the answers.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, assert_never
@@ -28,6 +27,7 @@ from ._vllm import (
 
 if TYPE_CHECKING:
     from ._counters import Counters
+    from ._loops import Loop
     from ._registry import Registry, Transition
 
 __all__ = ("Applier",)
@@ -188,7 +188,7 @@ class Applier:
         self.counters.requests_aborted += 1
         self.counters.requests_finished += 1
 
-    def forget_loop(self, engine: EngineLike, loop: asyncio.AbstractEventLoop) -> None:
+    def forget_loop(self, engine: EngineLike, loop: Loop) -> None:
         # Nobody can read the outputs of a closed loop's streams: stop computing them.
         ids = self.registry.forget(loop)
         if ids:

@@ -1,14 +1,14 @@
 """Commands from the loops to the worker, and the outbox that carries answers back.
 
-Commands are built on an event loop and applied on the worker thread. Answers
-go back only through ``Outbox.flush``, which makes one ``call_soon_threadsafe``
-per loop per pass of the worker, however many requests and commands it
-answers: a step with 200 streams on one loop costs that loop one wake-up.
+Commands are built on an event loop (asyncio or trio) and applied on the
+worker thread. Answers go back only through ``Outbox.flush``, which makes one
+``Loop.post`` (``call_soon_threadsafe``, or trio's ``run_sync_soon``) per loop
+per pass of the worker, however many requests and commands it answers: a step
+with 200 streams on one loop costs that loop one wake-up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Hashable
@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from ._control import PauseMode
 from ._log import emit
+from ._loops import current
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
     from vllm.sampling_params import SamplingParams
 
+    from ._loops import Future, Loop
     from ._sink import _Sink
 
 __all__ = (
@@ -49,9 +51,9 @@ class Outbox:
     """
 
     def __init__(self) -> None:
-        self._batches: dict[asyncio.AbstractEventLoop, list[_Callback]] = {}
+        self._batches: dict[Loop, list[_Callback]] = {}
 
-    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    def post(self, loop: Loop, fn: Callable[..., None], *args: Any) -> None:
         """Queue ``fn(*args)`` to run on ``loop`` at the next flush."""
         batch = self._batches.get(loop)
         if batch is None:
@@ -61,17 +63,12 @@ class Outbox:
     def __bool__(self) -> bool:
         return bool(self._batches)
 
-    def flush(self) -> list[asyncio.AbstractEventLoop]:
-        """Send each loop its batch in one call; return the loops that are closed."""
-        closed = []
-        for loop, batch in self._batches.items():
-            if loop.is_closed():
-                closed.append(loop)
-                continue
-            try:
-                loop.call_soon_threadsafe(_run_batch, batch)
-            except RuntimeError:  # closed between the check and the call
-                closed.append(loop)
+    def flush(self) -> list[Loop]:
+        """Send each loop its batch in one call; return the loops that have ended.
+
+        An ended loop (a closed asyncio loop, a finished trio run) gets nothing.
+        """
+        closed = [loop for loop, batch in self._batches.items() if not loop.post(_run_batch, batch)]
         self._batches = {}
         return closed
 
@@ -85,7 +82,7 @@ def _run_batch(batch: list[_Callback]) -> None:
             emit(logging.ERROR, "delivery failed", callback=repr(fn), exc_info=exc)
 
 
-def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+def _settle(future: Future[Any], value: Any, error: BaseException | None) -> None:
     if future.done():  # the caller gave up waiting (cancelled)
         return
     if error is not None:
@@ -98,14 +95,14 @@ def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None
 class Reply:
     """Where the answer to a command goes: a future on the loop that sent it."""
 
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any]
+    loop: Loop
+    future: Future[Any]
 
     @classmethod
     def here(cls) -> Reply:
-        """Make a reply bound to the running loop."""
-        loop = asyncio.get_running_loop()
-        return cls(loop, loop.create_future())
+        """Make a reply bound to the running loop (asyncio or trio)."""
+        loop = current()
+        return cls(loop, loop.futures()())
 
     def ok(self, outbox: Outbox, value: Any = None) -> None:
         outbox.post(self.loop, _settle, self.future, value, None)

@@ -7,13 +7,13 @@ never blocks, but its fields may come from two adjacent steps.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    from ._loops import Loop
     from ._registry import Life
 
 __all__ = ("Counters", "Snapshot")
@@ -56,7 +56,7 @@ class Counters:
     """When the worker last went from no request to some."""
     in_step_since: float | None = None
     """When the ``step()`` now running began."""
-    loops: weakref.WeakSet[asyncio.AbstractEventLoop] = field(default_factory=weakref.WeakSet)
+    loops: weakref.WeakSet[Loop] = field(default_factory=weakref.WeakSet)
 
     def count_step(self, began: float) -> None:
         """Count one step that began at ``began`` (``perf_counter``) and just ended."""

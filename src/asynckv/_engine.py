@@ -1,14 +1,13 @@
 """AsyncEngine: the event-loop side of the facade.
 
-Every method here runs on the caller's thread, usually an event loop, and
-never touches the ``LLMEngine``: it puts a command in the worker's inbox and,
-for the awaitable ones, waits for the answer on the caller's loop. The sync
-``shutdown()`` may run on any thread.
+Every method here runs on the caller's thread, usually an event loop
+(asyncio or trio), and never touches the ``LLMEngine``: it puts a command in
+the worker's inbox and, for the awaitable ones, waits for the answer on the
+caller's loop. The sync ``shutdown()`` may run on any thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import functools
@@ -17,9 +16,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+import anyio
 from vllm.sampling_params import SamplingParams
 
-from . import _checks
+from . import _checks, _loops
 from ._commands import Abort, Add, Call, Hold, Pause, PauseMode, Release, Reply, Resume
 from ._errors import (
     EngineClosedError,
@@ -55,14 +55,15 @@ _HOLDING: contextvars.ContextVar[frozenset[Hashable]] = contextvars.ContextVar(
 
 
 class AsyncEngine:
-    """An asyncio facade over one ``vllm.LLMEngine``, stepped on its own thread.
+    """An async facade (asyncio or trio) over one ``vllm.LLMEngine``, stepped on its own thread.
 
     A dedicated worker thread owns the engine: it is the only thread that
     calls it. Methods put commands in the worker's inbox, which it applies in
     FIFO order between two steps, so a command issued after another (from any
     loop or thread) is applied after it. Streams and command results are
     delivered to the event loop that issued them; one started engine serves
-    any number of loops, at once or one after the other.
+    any number of loops, asyncio loops and trio runs alike, at once or one
+    after the other.
 
     Build one with ``AsyncEngine.from_engine_args(args)`` and ``await start()``
     (or ``async with``), or wrap an engine you built with ``AsyncEngine(engine)``,
@@ -121,11 +122,19 @@ class AsyncEngine:
         do all later calls. Waits (without blocking the loop) up to about
         ``timeout`` seconds for the worker; a worker stuck in a dead engine is
         abandoned and its engine processes killed. Idempotent.
+
+        A cancellation never stops a close that has begun. Under a trio (or
+        anyio) cancel scope the wait is shielded: leaving ``async with engine:``
+        by a cancellation returns once the engine is closed, where trio's
+        cancelled scope would otherwise cancel the cleanup itself. asyncio's
+        ``task.cancel()`` interrupts the wait, as it always did, and the close
+        goes on in its thread.
         """
         if self._closed:
             return
         self._closed = True
-        await asyncio.to_thread(self._worker.close, timeout)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._worker.close, timeout)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Blocking ``aclose()``, for any thread; idempotent."""
@@ -176,8 +185,8 @@ class AsyncEngine:
         the stream. ``prompt`` is anything ``LLMEngine.add_request`` takes (a
         string, a ``TokensPrompt``, ...); ``kwargs`` go to ``add_request``
         (``lora_request``, ``priority``, ...). Without ``request_id`` a unique
-        one is made. Must be called on a running event loop, which the stream
-        then belongs to.
+        one is made. Must be called on a running event loop (asyncio or trio),
+        which the stream then belongs to.
 
         A bad request (empty or too long prompt, unknown LoRA, an id already
         in flight, ...) raises its error from the stream, to this caller only.
@@ -187,7 +196,7 @@ class AsyncEngine:
             ValueError: a ``seed`` beyond 64 bits (vLLM would hang on it).
             EngineClosedError, EngineDeadError, EngineNotStartedError: at once.
         """
-        loop = asyncio.get_running_loop()
+        loop = _loops.current()
         params = _checks.sampling_params(sampling_params)
         rid = _checks.request_id(request_id)
         sink = _Sink(loop, rid, params.output_kind, params.n)

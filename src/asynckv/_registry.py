@@ -11,7 +11,6 @@ method it calls, which then answers it with ``error``.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import threading
 from collections.abc import Callable, Iterable
@@ -23,6 +22,7 @@ from ._control import Control, Effect
 if TYPE_CHECKING:
     from ._commands import Add, Command, Outbox, Reply
     from ._inbox import Inbox
+    from ._loops import Loop
     from ._sink import _Sink
 
 __all__ = ("Ended", "Life", "Registry", "Route")
@@ -43,7 +43,7 @@ class Route:
     """Where one admitted request's outputs go."""
 
     sink: _Sink
-    loop: asyncio.AbstractEventLoop
+    loop: Loop
 
 
 @dataclass(slots=True)
@@ -141,7 +141,7 @@ class Registry:
                     finished += 1
         return delivered, finished
 
-    def forget(self, loop: asyncio.AbstractEventLoop) -> list[str]:
+    def forget(self, loop: Loop) -> list[str]:
         """Drop a closed loop's routes and parked requests; return the ids to abort."""
         with self._lock:
             ids = [rid for rid, route in self.routes.items() if route.loop is loop]

@@ -1,14 +1,14 @@
 """The buffer between the worker and one stream's consumer.
 
-Everything here runs on the event loop that created the stream, except that
-the worker schedules ``_Sink.push``, ``aborting``, ``abort`` and ``fail``
-onto that loop with ``call_soon_threadsafe`` (never calls them directly). So
-no lock is needed: the buffer is only ever touched by its own loop.
+Everything here runs on the event loop (asyncio loop or trio run) that
+created the stream, except that the worker schedules ``_Sink.push``,
+``aborting``, ``abort`` and ``fail`` onto that loop with ``Loop.post``
+(never calls them directly). So no lock is needed: the buffer is only ever
+touched by its own loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 from vllm.sampling_params import RequestOutputKind
@@ -17,7 +17,11 @@ from ._metrics import Timeline
 from ._vllm import final_abort_output, merge_delta, with_completions
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from vllm.outputs import CompletionOutput, RequestOutput
+
+    from ._loops import Future, Loop
 
 __all__ = ("_Sink",)
 
@@ -36,24 +40,31 @@ class _Sink:
         "_error",
         "_last",
         "_latest",
+        "_new_future",
         "_pending",
         "_waiter",
         "finished",
         "kind",
         "loop",
         "n",
+        "native",
         "request_id",
         "timeline",
     )
 
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
+        loop: Loop,
         request_id: str,
         kind: RequestOutputKind,
         n: int,
     ) -> None:
         self.loop = loop
+        # The asyncio loop or trio token itself, held (the handle holds an
+        # asyncio loop weakly) and compared once per output by the stream.
+        self.native = loop.native
+        # asyncio: the loop's own create_future, the cheapest wait it has.
+        self._new_future: Callable[[], Future[None]] = loop.futures()
         self.request_id = request_id
         self.kind = kind
         self.n = n
@@ -62,7 +73,7 @@ class _Sink:
         self._pending: RequestOutput | None = None
         self._latest: dict[int, CompletionOutput] = {}
         self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: Future[None] | None = None
         self.timeline = Timeline(request_id)
 
     def push(self, out: RequestOutput) -> None:
@@ -137,8 +148,12 @@ class _Sink:
         return None
 
     async def wait(self) -> None:
-        """Wait until ``push`` or ``fail`` is called."""
-        self._waiter = self.loop.create_future()
+        """Wait until ``push`` or ``fail`` is called.
+
+        Cancelling the wait raises the loop's cancellation exception here and
+        leaves the buffer as it was: a later ``push`` is kept for the next wait.
+        """
+        self._waiter = self._new_future()
         try:
             await self._waiter
         finally:

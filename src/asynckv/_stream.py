@@ -1,8 +1,8 @@
 """RequestStream: the loop side of one request.
 
-Everything here runs on the event loop that created the stream; the worker
-reaches it only through the stream's ``_Sink`` (``_sink.py``), by callbacks
-scheduled on that loop. So no lock is needed.
+Everything here runs on the event loop (asyncio loop or trio run) that
+created the stream; the worker reaches it only through the stream's ``_Sink``
+(``_sink.py``), by callbacks scheduled on that loop. So no lock is needed.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import weakref
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from vllm.sampling_params import RequestOutputKind
 
+from ._loops import running_asyncio_loop
 from ._sink import _index, _Sink
 from ._vllm import copy_delta, merge_delta
 
@@ -30,7 +32,8 @@ __all__ = ("RequestStream",)
 class RequestStream:
     """The outputs of one request, to iterate or to await, like ``AsyncLLM.generate``'s generator.
 
-    A stream belongs to the event loop that created it: use it only there.
+    A stream belongs to the event loop (asyncio loop or trio run) that
+    created it: use it only there.
     It is its own async iterator (``aiter(stream) is stream``; ``anext(stream)``
     works): ``async for out in stream`` yields ``RequestOutput``s in the order
     the engine produced them, following ``sampling_params.output_kind``; the
@@ -42,8 +45,10 @@ class RequestStream:
     The request is aborted in the engine before its next step on every path
     away from an unfinished stream: ``aclose()``; leaving
     ``async with engine.generate(...) as stream:`` by any exit (even a
-    cancellation before the stream was first awaited); cancelling the task
-    that awaits or iterates it; and dropping the stream (so ``break`` out of
+    cancellation before the stream was first awaited); a cancellation of
+    the wait for its next output (on trio, a cancel scope around that wait);
+    on asyncio also cancelling the task that last took an output, wherever
+    it waits then; and dropping the stream (so ``break`` out of
     ``async for out in engine.generate(...)`` aborts at once). A stream
     dropped before anything was taken from it also warns with
     ``ResourceWarning``: that is usually a forgotten ``await``.
@@ -71,8 +76,10 @@ class RequestStream:
         self._final: RequestOutput | None = None
         self._abandoned = False
         self._touched = False  # something was asked of it: iterated, awaited, closed
-        # The task that last took an output, watched so that its cancellation
-        # (wherever it is waiting then) aborts the request.
+        # asyncio: the task that last took an output, watched so that its
+        # cancellation (wherever it is waiting then) aborts the request. trio
+        # has no per-task done callback; there a cancellation reaches the
+        # stream through its wait, an `async with` block, or the dropped stream.
         self._task: asyncio.Task[Any] | None = None
         self._on_done: Callable[[asyncio.Task[Any]], None] | None = None
 
@@ -87,20 +94,26 @@ class RequestStream:
         return self._sink.timeline.metrics
 
     def _check_loop(self) -> None:
-        if asyncio.get_running_loop() is not self._sink.loop:
-            raise RuntimeError(
-                f"stream {self.request_id!r} belongs to another event loop; "
-                "use it only on the loop that called generate()"
-            )
+        if running_asyncio_loop() is not self._sink.native and not self._sink.loop.is_current():
+            raise self._wrong_loop()
+
+    def _wrong_loop(self) -> RuntimeError:
+        return RuntimeError(
+            f"stream {self.request_id!r} belongs to another event loop; "
+            "use it only on the loop that called generate()"
+        )
 
     async def _next(self) -> RequestOutput:
-        # The hot path: one coroutine per output, no future when one is pending.
-        self._check_loop()
-        self._touched = True
-        task = asyncio.current_task()
-        if task is not self._task:
-            self._watch(task)
+        # The hot path: one coroutine per output, no future when one is pending;
+        # on asyncio one C call checks the loop.
         sink = self._sink
+        if running_asyncio_loop() is sink.native:
+            task = asyncio.current_task()
+            if task is not self._task:
+                self._watch(task)
+        elif not sink.loop.is_current():
+            raise self._wrong_loop()
+        self._touched = True
         while (out := sink.take()) is None:
             try:
                 await sink.wait()
@@ -175,14 +188,14 @@ class RequestStream:
     async def __aenter__(self) -> RequestStream:
         return self
 
-    async def __aexit__(self, *_: object) -> None:
+    async def __aexit__(self, _: object, exc: BaseException | None, __: object) -> None:
         """Leaving the block, by any exit, aborts the request if it is unfinished.
 
         It doesn't wait for the abort (a cancellation must not wait on the
         engine): the request is out of the engine before its next step.
         """
         self._touched = True
-        self._abandon("cancelled" if _cancelling() else "disconnected")
+        self._abandon("cancelled" if _cancelling(exc) else "disconnected")
 
     def __del__(self) -> None:
         if self._sink.finished or self._abandoned:
@@ -204,6 +217,10 @@ def _abandon_if_cancelled(stream: weakref.ref[RequestStream], task: asyncio.Task
         alive._abandon("cancelled")
 
 
-def _cancelling() -> bool:
-    task = asyncio.current_task()
+def _cancelling(exc: BaseException | None) -> bool:
+    # For the log's "why" only: trio's Cancelled or asyncio's CancelledError
+    # leaving the block, or (asyncio) a cancellation pending on the task.
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return True
+    task = asyncio.current_task() if running_asyncio_loop() is not None else None
     return task is not None and task.cancelling() > 0
