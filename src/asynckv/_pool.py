@@ -5,7 +5,8 @@ is a whole model replica (one per GPU, say), with its own worker thread and
 prefix cache. The pool only routes: it picks an engine per request and then
 gets out of the way, so a stream from the pool is that engine's own stream.
 
-Everything here runs on the caller's thread, usually an event loop. The
+Everything here runs on the caller's thread, usually an event loop (asyncio
+or trio; the calls to every engine at once go through ``_gather``). The
 routing state (who serves which request, which engine saw which prefix) sits
 behind one ``threading.Lock`` held only for bookkeeping and a non-blocking
 ``engine.generate``, so a pool serves any number of loops, as an engine does.
@@ -13,16 +14,19 @@ behind one ``threading.Lock`` held only for bookkeeping and a non-blocking
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from . import _checks
 from ._affinity import PrefixIndex, Router
 from ._engine import AsyncEngine
 from ._errors import EngineClosedError, EngineDeadError
+from ._gather import gather, settle
 from ._stats import EngineStats
 
 if TYPE_CHECKING:
@@ -124,9 +128,7 @@ class AsyncEnginePool:
         """
         self._check_open()
         try:
-            results = await asyncio.gather(
-                *(engine.start() for engine in self._engines), return_exceptions=True
-            )
+            results = await settle(engine.start for engine in self._engines)
         except BaseException:
             await self.aclose()
             raise
@@ -136,9 +138,13 @@ class AsyncEnginePool:
             raise errors[0]
 
     async def aclose(self, timeout: float = 30.0) -> None:
-        """Close every engine, concurrently (see ``AsyncEngine.aclose``). Idempotent."""
+        """Close every engine, concurrently (see ``AsyncEngine.aclose``). Idempotent.
+
+        Shielded from trio and anyio cancel scopes, as ``AsyncEngine.aclose``.
+        """
         self._closed = True
-        await asyncio.gather(*(engine.aclose(timeout) for engine in self._engines))
+        with anyio.CancelScope(shield=True):
+            await gather(functools.partial(engine.aclose, timeout) for engine in self._engines)
 
     async def __aenter__(self) -> AsyncEnginePool:
         await self.start()
@@ -219,8 +225,9 @@ class AsyncEnginePool:
                 index = self._router.owner(rid)
                 if index is not None:
                     by_engine.setdefault(index, []).append(rid)
-        await asyncio.gather(
-            *(self._abort_on(self._engines[i], group) for i, group in by_engine.items())
+        await gather(
+            functools.partial(self._abort_on, self._engines[i], group)
+            for i, group in by_engine.items()
         )
 
     @staticmethod
@@ -254,13 +261,9 @@ class AsyncEnginePool:
         self._check_open()
         if all(engine.errored for engine in self._engines):
             raise self._all_dead()
-        results = list(
-            await asyncio.gather(
-                *(
-                    self._reset_one(engine, reset_running_requests, reset_connector)
-                    for engine in self._engines
-                )
-            )
+        results = await gather(
+            functools.partial(self._reset_one, engine, reset_running_requests, reset_connector)
+            for engine in self._engines
         )
         with self._lock:
             self._router.prefixes.forget(lambda index: results[index])
@@ -339,7 +342,7 @@ class AsyncEnginePool:
                 if not engine.errored:
                     raise
 
-        await asyncio.gather(*(one(engine) for engine in self._live()))
+        await gather(functools.partial(one, engine) for engine in self._live())
 
     # -- routing, with the lock held -------------------------------------------------
 
