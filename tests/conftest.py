@@ -4,6 +4,12 @@ The engines are started with a throwaway event loop and then used from each
 test's own loop, which is itself what asynckv promises: one started engine
 serves any loop.
 
+Two async plugins share the suite: pytest-asyncio (auto mode) runs every
+plain ``async def`` test on asyncio; anyio's plugin runs the tests marked
+``anyio``, once per ``anyio_backend`` (asyncio and trio). A hook below keeps
+pytest-asyncio's hands off the ``anyio`` tests: in auto mode it would take
+them too, and run their trio case on asyncio.
+
 Markers (applied here): ``engine`` for every test that drives a real vLLM
 engine, ``gpu`` for the tests that need CUDA (tests/test_gpu.py), ``cpu_only``
 for engine tests that assume this machine (set in their modules). With
@@ -17,10 +23,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
+from pytest_asyncio.plugin import PytestAsyncioFunction
 
 from asynckv import AsyncEngine
 from asynckv.testing import tiny_model
@@ -106,3 +114,45 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("reliability figures")
         for line in _FIGURES:
             terminalreporter.write_line(line)
+
+
+# -- asyncio and trio: the tests marked `anyio` ------------------------------------
+
+
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The backends every `anyio`-marked test runs on (named, so a missing trio fails)."""
+    backend: str = request.param
+    return backend
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(
+    collector: pytest.Module | pytest.Class, name: str, obj: object
+) -> Any:
+    """Hand the `anyio`-marked coroutine tests back from pytest-asyncio to anyio's plugin.
+
+    pytest-asyncio's auto mode turns every coroutine test into its own item,
+    which runs the test on an asyncio runner whatever ``anyio_backend`` says.
+    This wrapper runs after it and rebuilds those items as plain ones (as
+    anyio's plugin builds its own), without the ``asyncio`` marker it added.
+    """
+    result = yield
+    if not isinstance(result, list):
+        return result
+    kept: list[Any] = []
+    for item in result:
+        if isinstance(item, PytestAsyncioFunction) and item.get_closest_marker("anyio"):
+            plain = pytest.Function.from_parent(
+                item.parent,
+                name=item.name,
+                callspec=getattr(item, "callspec", None),
+                callobj=item.obj,
+                fixtureinfo=item._fixtureinfo,
+                keywords={k: v for k, v in item.keywords.items() if k != "asyncio"},
+                originalname=item.originalname,
+            )
+            plain.own_markers = [m for m in item.own_markers if m.name != "asyncio"]
+            item = plain
+        kept.append(item)
+    return kept
