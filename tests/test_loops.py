@@ -1,16 +1,22 @@
-"""One started engine serves any event loop: in turn, at once, and cheaply."""
+"""One started engine serves any event loop, asyncio or trio: in turn, at once, and cheaply."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
 import time
+from collections.abc import Callable
 
+import anyio
 import psutil
+import pytest
+import trio
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, RequestStream
+from asynckv._loops import Loop, current
 from support import unfinished
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -54,23 +60,116 @@ def test_two_loops_in_two_threads_at_once(engine: AsyncEngine) -> None:
     assert not set(results[0]) & set(results[1])
 
 
-def test_closed_loop_requests_are_aborted(engine: AsyncEngine) -> None:
-    """Streams of a loop that closed are aborted: nobody can read them any more."""
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_closed_loop_requests_are_aborted(engine: AsyncEngine, backend: str) -> None:
+    """Streams of a closed asyncio loop or a finished trio run are aborted at the next step."""
     kept: list[RequestStream] = []
+    aborted = engine.stats().requests_aborted
 
     async def leave_running() -> None:
         kept.append(engine.generate("orphan", SamplingParams(max_tokens=400, ignore_eos=True)))
         await engine.run_on_engine(lambda e: None)
 
-    asyncio.run(leave_running())
+    anyio.run(leave_running, backend=backend)
 
     async def count() -> int:
-        # Aborted at the next step: a "wait" pause returns once nothing is in flight.
+        # A "wait" pause returns once nothing is in flight: here, once the orphan is aborted.
         await engine.pause_generation(mode="wait")
         await engine.resume_generation()
         return await unfinished(engine)
 
-    assert asyncio.run(count()) == 0
+    assert anyio.run(count, backend=backend) == 0
+    # Aborted by the closed-loop path, not left to run its 400 tokens.
+    assert engine.stats().requests_aborted == aborted + 1
+    assert not kept[0].finished
+
+
+def test_asyncio_and_trio_in_two_threads_at_once(engine: AsyncEngine) -> None:
+    """An asyncio loop and a trio run stream at once, and trio's abort ends an asyncio stream."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    in_flight = {"asyncio": threading.Event(), "trio": threading.Event()}
+    handoff: queue.Queue[str] = queue.Queue()
+    results: dict[str, list[str]] = {}
+    aborted: list[str | None] = []
+    errors: list[BaseException] = []
+
+    def both_in_flight(me: str) -> None:
+        # Each side's requests are in the engine before either side reads: truly at once.
+        in_flight[me].set()
+        for event in in_flight.values():
+            assert event.wait(60)
+
+    async def on_asyncio() -> None:
+        target = engine.generate("asyncio's long one", long)
+        handoff.put(target.request_id)
+        streams = [engine.generate(f"asyncio prompt {i}", params) for i in range(10)]
+        await engine.run_on_engine(lambda e: None)
+        await asyncio.to_thread(both_in_flight, "asyncio")
+        outs = await asyncio.gather(*streams)
+        results["asyncio"] = [o.request_id for o in outs if len(o.outputs[0].token_ids) == 6]
+        aborted.append((await target).outputs[0].finish_reason)
+
+    async def on_trio() -> None:
+        streams = [engine.generate(f"trio prompt {i}", params) for i in range(10)]
+        await engine.run_on_engine(lambda e: None)
+        await trio.to_thread.run_sync(both_in_flight, "trio")
+        outs: list[str] = []
+
+        async def consume(stream: RequestStream) -> None:
+            out = await stream
+            if len(out.outputs[0].token_ids) == 6:
+                outs.append(out.request_id)
+
+        async with trio.open_nursery() as nursery:
+            for stream in streams:
+                nursery.start_soon(consume, stream)
+        results["trio"] = outs
+        await engine.abort(await trio.to_thread.run_sync(handoff.get, True, 60))
+
+    def serve(run: Callable[[], None]) -> None:
+        try:
+            run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=serve, args=(lambda: asyncio.run(on_asyncio()),)),
+        threading.Thread(target=serve, args=(lambda: trio.run(on_trio),)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [len(results[name]) for name in ("asyncio", "trio")] == [10, 10]
+    assert not set(results["asyncio"]) & set(results["trio"])
+    assert aborted == ["abort"]
+
+
+def test_one_handle_per_loop_and_none_once_ended() -> None:
+    """Each asyncio loop and trio run has one handle, whose posts fail once it has ended."""
+    got: list[int] = []
+
+    async def handles() -> tuple[Loop, Loop]:
+        return current(), current()
+
+    for backend in ("asyncio", "trio"):
+        first, second = anyio.run(handles, backend=backend)
+        assert first is second
+        # The run is over: its loop is closed, or trio's entry queue refuses work.
+        assert not first.post(got.append, 1)
+
+    async def posts() -> None:
+        loop = current()
+        done = anyio.Event()
+        assert loop.post(lambda _: done.set(), None)
+        assert loop.post(got.append, 2)
+        await done.wait()
+
+    for backend in ("asyncio", "trio"):
+        anyio.run(posts, backend=backend)
+    assert got == [2, 2]
 
 
 class _CountingLoop(asyncio.SelectorEventLoop):
