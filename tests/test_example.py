@@ -1,13 +1,19 @@
-"""The reset-KV example, end to end on the demo model, against a sync ``LLMEngine`` loop."""
+"""The reset-KV example, end to end on the demo model, against a sync ``LLMEngine`` loop.
+
+Both versions run: ``reset_kv_async`` (asyncio) and ``reset_kv_trio``, which
+must report and print the same.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
 from vllm import EngineArgs, LLMEngine, SamplingParams
 
 import reset_kv_async
+import reset_kv_trio
 from asynckv.testing import demo_model
 
 # The example builds its engine from vLLM's default settings, sized for this machine.
@@ -21,6 +27,14 @@ def example() -> tuple[reset_kv_async.Report, str]:
     """One run of the example with no arguments (the demo model), and what it printed."""
     lines: list[str] = []
     report = reset_kv_async.main([], echo=lines.append)
+    return report, "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def trio_example() -> tuple[reset_kv_async.Report, str]:
+    """One run of the trio version with no arguments, and what it printed."""
+    lines: list[str] = []
+    report = reset_kv_trio.main([], echo=lines.append)
     return report, "\n".join(lines)
 
 
@@ -69,9 +83,8 @@ def run_documented_schedule(engine: LLMEngine, reset_at: int | None) -> dict[str
     return finished
 
 
-def test_example_output(example: tuple[reset_kv_async.Report, str]) -> None:
-    """Four requests finish, the n=2 one with two completions, and the reset succeeds at step 10."""
-    report, printed = example
+def check_output(report: reset_kv_async.Report, printed: str) -> None:
+    """The checks of one run's report and printed output (either version)."""
     assert [r.request_id for r in report.requests] == ["0", "1", "2", "3"]
     assert [r.added_at_step for r in report.requests] == [0, 1, 2, 3]
     assert all(r.output.finished for r in report.requests)
@@ -87,6 +100,40 @@ def test_example_output(example: tuple[reset_kv_async.Report, str]) -> None:
         assert f"request {rid} finished" in printed
     assert printed.count("  completion 1: ") == 1
     assert "returned True at step 10" in printed
+
+
+def test_example_output(example: tuple[reset_kv_async.Report, str]) -> None:
+    """Four requests finish, the n=2 one with two completions, and the reset succeeds at step 10."""
+    check_output(*example)
+
+
+def test_trio_example_reports_and_prints_the_same(
+    example: tuple[reset_kv_async.Report, str], trio_example: tuple[reset_kv_async.Report, str]
+) -> None:
+    """The trio version passes the same checks, prints alike and gets the same greedy tokens."""
+    check_output(*trio_example)
+
+    def shape(printed: str) -> list[str]:
+        # The lines with what may differ between two runs masked: figures,
+        # sampled text, finish reasons and yes/no. Sorted: finishing order varies.
+        masks = [
+            (r": (['\"]).*$", ": TEXT"),
+            (r"-?\d+(\.\d+)?", "#"),
+            (r"\b(length|stop|abort|yes|no)\b", "WORD"),
+        ]
+        lines = []
+        for line in printed.splitlines():
+            for pattern, mask in masks:
+                line = re.sub(pattern, mask, line)
+            lines.append(line)
+        return sorted(lines)
+
+    assert shape(trio_example[1]) == shape(example[1])
+    greedy = [
+        [list(r.output.outputs[0].token_ids) for r in run[0].requests[:2]]
+        for run in (example, trio_example)
+    ]
+    assert greedy[0] == greedy[1]
 
 
 def test_greedy_tokens_match_sync_loop_and_no_reset(
