@@ -1,4 +1,4 @@
-"""asynckv: an asyncio facade over vLLM's ``LLMEngine``, stepped on its own worker thread."""
+"""asynckv: an async facade (asyncio, trio) over vLLM's ``LLMEngine``, on its own worker thread."""
 
 from __future__ import annotations
 
