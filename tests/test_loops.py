@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import psutil
@@ -145,6 +149,38 @@ def test_asyncio_and_trio_in_two_threads_at_once(engine: AsyncEngine) -> None:
     assert [len(results[name]) for name in ("asyncio", "trio")] == [10, 10]
     assert not set(results["asyncio"]) & set(results["trio"])
     assert aborted == ["abort"]
+
+
+_WITHOUT_TRIO = """
+import asyncio, sys
+sys.modules["trio"] = None  # importing trio now fails, as if it were not installed
+from vllm import SamplingParams
+from asynckv import AsyncEngine
+from support import FakeEngine
+
+async def main() -> int:
+    engine = AsyncEngine(FakeEngine(), freeze_gc=False)
+    out = await engine.generate("x", SamplingParams(max_tokens=3))
+    await engine.aclose()
+    return len(out.outputs[0].token_ids)
+
+print(asyncio.run(main()))
+"""
+
+
+def test_asyncio_callers_need_no_trio() -> None:
+    """With trio impossible to import, asyncio callers are served as ever."""
+    tests = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TRIO],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, tests])},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "3"
 
 
 def test_one_handle_per_loop_and_none_once_ended() -> None:

@@ -17,7 +17,7 @@ Threads: ``post`` runs on whichever thread answers (the worker, or the one
 that closes or kills the engine); everything else runs on the loop that the
 handle stands for. There is one handle per asyncio loop and one per trio run,
 so the worker can group a pass's answers by handle identity. trio is imported
-only once a trio run calls in: asyncio users never load it.
+only once a trio run calls in: asyncio users need not install it.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def current() -> Loop:
             if handle is None:
                 handle = _handles[loop] = AsyncioLoop(loop)
         return handle
-    if "trio" in sys.modules:  # only a trio caller has imported trio
+    if sys.modules.get("trio") is not None:  # a trio caller has imported trio
         from . import _trio
 
         run = _trio.current()
