@@ -144,7 +144,9 @@ def main() -> None:
         ("trio", "wait_task_rescheduled", wake_trio_lowlevel),
     ]
     for backend, name, fn in waits:
-        print(f"{backend:7s} wake, {name:22s}: {cpu_per_op(fn, backend) * 1e6:6.2f} us CPU")
+        calls = calls_per_op(fn, backend)
+        cpu = cpu_per_op(fn, backend) * 1e6
+        print(f"{backend:7s} wake, {name:22s}: {calls:5.1f} calls, {cpu:6.2f} us CPU")
 
 
 if __name__ == "__main__":
