@@ -1,6 +1,10 @@
 """The core API on both backends: every test here runs on asyncio and on trio.
 
 anyio's pytest plugin runs each test once per ``anyio_backend`` (conftest.py).
+Streams (tests/test_streams.py), resets and pauses (tests/test_reset_and_pause.py)
+and the backend-neutral cancellation tests (tests/test_cancellation.py) run on
+both backends in their own modules; this one adds what differs: trio's cancel
+scopes, ``paused()`` cancelled, closing, a stream used on the wrong loop, the pool.
 The tests use the shared real engine, except the close tests, which need an
 engine of their own and use the fake one (a real engine takes 30-120 s to
 start here; the trio example's test closes a real one, tests/test_example.py).
@@ -19,7 +23,7 @@ from anyio.abc import TaskStatus
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from asynckv import AsyncEngine, AsyncEnginePool, EngineClosedError, RequestStream
+from asynckv import AsyncEngine, AsyncEnginePool, EngineClosedError
 from support import FakeEngine, unfinished
 
 pytestmark = pytest.mark.anyio
@@ -55,21 +59,6 @@ async def test_await_and_iterate(engine: AsyncEngine, anyio_backend: str) -> Non
     assert tokens == list(awaited.outputs[0].token_ids)
     assert finished[-1] and not any(finished[:-1])
     assert await unfinished(engine) == 0
-
-
-async def test_many_streams_at_once(engine: AsyncEngine) -> None:
-    """Twenty streams consumed by twenty tasks of one task group all finish in full."""
-    outs: dict[str, int] = {}
-
-    async def consume(stream: RequestStream) -> None:
-        out = await stream
-        outs[out.request_id] = len(out.outputs[0].token_ids)
-
-    async with anyio.create_task_group() as group:
-        for i in range(20):
-            stream = engine.generate(f"Line {i}:", SamplingParams(max_tokens=8, **GREEDY))
-            group.start_soon(consume, stream)
-    assert len(outs) == 20 and set(outs.values()) == {8}
 
 
 async def test_async_with_exit_aborts(engine: AsyncEngine) -> None:
@@ -152,66 +141,6 @@ async def test_cancelled_task_drops_its_stream_and_aborts(engine: AsyncEngine) -
         group.cancel_scope.cancel()
     gc.collect()  # the cancellation's traceback may hold the task's frame a while
     assert await unfinished(engine) == 0
-
-
-async def test_stream_aclose_aborts_and_waits(engine: AsyncEngine) -> None:
-    """``aclose()`` aborts and returns once the stream has ended; a second call is a no-op."""
-    stream = engine.generate("Close me", LONG)
-    await anext(stream)
-    await stream.aclose()
-    assert stream.finished
-    await stream.aclose()
-    assert await unfinished(engine) == 0
-
-
-async def test_abort_gives_final_abort_output(engine: AsyncEngine) -> None:
-    """``engine.abort(id)`` ends the stream with a final output marked "abort"."""
-    stream = engine.generate("Abort me", SamplingParams(n=2, max_tokens=400, ignore_eos=True))
-    await engine.run_on_engine(lambda e: None)  # the request is in the engine now
-    await engine.abort(stream.request_id)
-    final = await stream
-    assert final.finished
-    assert [c.finish_reason for c in final.outputs] == ["abort", "abort"]
-    assert await unfinished(engine) == 0
-
-
-async def test_reset_prefix_cache(engine: AsyncEngine) -> None:
-    """A reset succeeds when idle, and one that preempts running requests keeps their tokens."""
-    reference = await engine.generate(PROMPT, SamplingParams(max_tokens=24, **GREEDY))
-    assert await engine.reset_prefix_cache() is True
-    stream = engine.generate(PROMPT, SamplingParams(max_tokens=24, **GREEDY))
-    async with engine.paused(at_step=engine.step_count + 5):
-        assert await engine.reset_prefix_cache(reset_running_requests=True) is True
-    out = await stream
-    assert list(out.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
-    assert await unfinished(engine) == 0
-
-
-async def test_pause_and_resume(engine: AsyncEngine) -> None:
-    """Pausing aborts what runs, parks what comes; resuming admits it."""
-    running = engine.generate(PROMPT, LONG)
-    await engine.run_on_engine(lambda e: None)
-    await engine.pause_generation(mode="abort")
-    assert await engine.is_paused()
-    assert (await running).outputs[0].finish_reason == "abort"
-    waiting = engine.generate("submitted while paused", SamplingParams(max_tokens=4, **GREEDY))
-    assert await unfinished(engine) == 0  # parked, not admitted
-    await engine.resume_generation()
-    assert not await engine.is_paused()
-    assert len((await waiting).outputs[0].token_ids) == 4
-
-
-async def test_paused_block_applies_commands_at_its_boundary(engine: AsyncEngine) -> None:
-    """Inside ``paused(at_step=k)`` exactly k steps are done and commands apply there."""
-    stream = engine.generate(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))
-    target = engine.step_count + 4
-    async with engine.paused(at_step=target) as step:
-        assert step == engine.step_count == target
-        added = engine.generate("added in the pause", SamplingParams(max_tokens=3))
-        assert await unfinished(engine) == 2
-        assert engine.step_count == target
-    assert len((await added).outputs[0].token_ids) == 3
-    assert (await stream).outputs[0].finish_reason == "length"
 
 
 async def test_cancelled_wait_for_paused_releases_the_hold(engine: AsyncEngine) -> None:

@@ -1,7 +1,9 @@
 """Every way of walking away from a stream aborts its request before the next step.
 
 Each test ends by asking the engine, between two steps, how many requests it
-still holds: the invariant is that the answer is 0.
+still holds: the invariant is that the answer is 0. The tests marked ``anyio``
+run on asyncio and on trio; the others are about asyncio's ``task.cancel()``
+(their trio counterparts, cancel scopes, are in tests/test_backends.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ async def test_cancel_while_iterating(engine: AsyncEngine) -> None:
     assert await unfinished(engine) == 0
 
 
+@pytest.mark.anyio
 async def test_break_out_of_a_temporary_stream_aborts(engine: AsyncEngine) -> None:
     """Breaking out of ``async for`` over ``engine.generate(...)`` drops the stream: it aborts."""
     async for out in engine.generate("Break out", LONG, request_id="break-out"):
@@ -61,6 +64,7 @@ async def test_break_out_of_a_temporary_stream_aborts(engine: AsyncEngine) -> No
     assert await unfinished(engine) == 0
 
 
+@pytest.mark.anyio
 async def test_break_out_of_a_kept_stream_leaves_it_running(engine: AsyncEngine) -> None:
     """A stream kept in a variable is its own iterator: ``break`` leaves it, ``await`` finishes it.
 
@@ -77,6 +81,7 @@ async def test_break_out_of_a_kept_stream_leaves_it_running(engine: AsyncEngine)
     assert await unfinished(engine) == 0
 
 
+@pytest.mark.anyio
 async def test_aclose_aborts_and_waits(engine: AsyncEngine) -> None:
     """``aclose()`` aborts and returns once the stream has ended; a second call is a no-op."""
     stream = engine.generate("Close me", LONG)
@@ -88,6 +93,7 @@ async def test_aclose_aborts_and_waits(engine: AsyncEngine) -> None:
     await stream.aclose()
 
 
+@pytest.mark.anyio
 async def test_garbage_collected_stream_aborts_with_warning(
     engine: AsyncEngine,
 ) -> None:
@@ -100,6 +106,7 @@ async def test_garbage_collected_stream_aborts_with_warning(
     assert await unfinished(engine) == 0
 
 
+@pytest.mark.anyio
 async def test_explicit_abort_gives_final_abort_output(engine: AsyncEngine) -> None:
     """``engine.abort(id)`` ends the stream with a final output marked "abort"."""
     stream = engine.generate("Abort me", SamplingParams(n=2, max_tokens=400, ignore_eos=True))
@@ -112,6 +119,7 @@ async def test_explicit_abort_gives_final_abort_output(engine: AsyncEngine) -> N
     assert await unfinished(engine) == 0
 
 
+@pytest.mark.anyio
 async def test_abort_several_and_unknown_ids(engine: AsyncEngine) -> None:
     """Aborting several ids at once works; unknown and finished ids are no-ops."""
     done = await engine.generate("Done already", SamplingParams(max_tokens=2))
@@ -125,6 +133,7 @@ async def test_abort_several_and_unknown_ids(engine: AsyncEngine) -> None:
     assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.anyio
 async def test_abort_before_first_step(engine: AsyncEngine) -> None:
     """A request aborted in the same boundary it was added in ends with "abort" and no tokens."""
     async with engine.paused():

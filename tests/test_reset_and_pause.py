@@ -1,14 +1,18 @@
-"""Prefix-cache resets and pauses, applied at step boundaries on the real engine."""
+"""Prefix-cache resets and pauses, applied at step boundaries on the real engine.
+
+Every test runs on asyncio and on trio (anyio's plugin, ``anyio_backend``).
+"""
 
 from __future__ import annotations
 
-import asyncio
-
+import anyio
 import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine
 from support import unfinished
+
+pytestmark = pytest.mark.anyio
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPT = "A robot may not injure a human being " * 6
@@ -154,11 +158,11 @@ async def test_commands_do_not_wait_for_the_cores_next_output(engine: AsyncEngin
     assert await engine.run_on_engine(lambda e: pause_core_scheduler(e, clear_cache=False))
     try:
         # No output comes now. (The timeout only keeps a regression from hanging the suite.)
-        count = engine.run_on_engine(lambda e: e.get_num_unfinished_requests())
-        assert await asyncio.wait_for(count, 60) == 1
+        with anyio.fail_after(60):
+            assert await engine.run_on_engine(lambda e: e.get_num_unfinished_requests()) == 1
         late = engine.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
-        count = engine.run_on_engine(lambda e: e.get_num_unfinished_requests())
-        assert await asyncio.wait_for(count, 60) == 2
+        with anyio.fail_after(60):
+            assert await engine.run_on_engine(lambda e: e.get_num_unfinished_requests()) == 2
     finally:
         await engine.run_on_engine(resume_core_scheduler)
     assert len((await late).outputs[0].token_ids) == 4

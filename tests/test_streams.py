@@ -1,15 +1,21 @@
-"""Streams on the real engine: awaiting, iterating, output kinds, n > 1, slow consumers."""
+"""Streams on the real engine: awaiting, iterating, output kinds, n > 1, slow consumers.
+
+Every test runs on asyncio and on trio (anyio's plugin, ``anyio_backend``).
+"""
 
 from __future__ import annotations
 
-import asyncio
-
+import anyio
+import pytest
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
-from asynckv import AsyncEngine
+from asynckv import AsyncEngine, RequestStream
 from support import unfinished
+
+pytestmark = pytest.mark.anyio
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -132,7 +138,14 @@ async def test_slow_consumer_cumulative_output_is_replaced(engine: AsyncEngine) 
 async def test_many_concurrent_streams(engine: AsyncEngine) -> None:
     """Forty concurrent streams all finish with their own full output."""
     params = SamplingParams(max_tokens=8, **GREEDY)
-    outs = await asyncio.gather(*(engine.generate(f"Line {i}:", params) for i in range(40)))
+    outs: list[RequestOutput] = []
+
+    async def consume(stream: RequestStream) -> None:
+        outs.append(await stream)
+
+    async with anyio.create_task_group() as group:
+        for i in range(40):
+            group.start_soon(consume, engine.generate(f"Line {i}:", params))
     assert sorted(o.request_id for o in outs) == sorted({o.request_id for o in outs})
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert await unfinished(engine) == 0
