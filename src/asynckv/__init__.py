@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._client import AsyncEngineClient
 from ._engine import AsyncEngine
 from ._errors import (
     AsyncKVError,
@@ -19,6 +20,7 @@ from ._stream import RequestStream
 
 __all__ = (
     "AsyncEngine",
+    "AsyncEngineClient",
     "AsyncEnginePool",
     "AsyncKVError",
     "EngineClosedError",
