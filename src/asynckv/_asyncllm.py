@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeVar
 
+from vllm.usage.usage_lib import UsageContext
+
 from ._commands import PauseMode
 from ._errors import EngineClosedError, EngineDeadError, EngineNotStartedError
 from ._requests import engine_options, pump
@@ -32,7 +34,6 @@ if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
     from vllm.renderers import BaseRenderer
     from vllm.sampling_params import SamplingParams
-    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.engine.output_processor import RequestOutputCollector
     from vllm.v1.metrics.loggers import StatLoggerFactory
@@ -80,7 +81,7 @@ class AsyncLLMMethods:
         cls,
         vllm_config: VllmConfig,
         start_engine_loop: bool = True,
-        usage_context: UsageContext | None = None,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
         stat_loggers: list[StatLoggerFactory] | None = None,
         enable_log_requests: bool = False,
         aggregate_engine_logging: bool = False,
@@ -115,7 +116,6 @@ class AsyncLLMMethods:
         def build() -> LLMEngine:
             import vllm.envs as envs
             from vllm import LLMEngine
-            from vllm.usage.usage_lib import UsageContext
             from vllm.v1.executor import Executor
 
             return LLMEngine(
@@ -123,7 +123,7 @@ class AsyncLLMMethods:
                 executor_class=Executor.get_class(vllm_config),
                 log_stats=not disable_log_stats,
                 aggregate_engine_logging=aggregate_engine_logging,
-                usage_context=usage_context or UsageContext.ENGINE_CONTEXT,
+                usage_context=usage_context,
                 stat_loggers=stat_loggers,
                 multiprocess_mode=envs.VLLM_ENABLE_V1_MULTIPROCESSING,
             )

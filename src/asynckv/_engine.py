@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, get_args
 
 from vllm.sampling_params import SamplingParams
+from vllm.usage.usage_lib import UsageContext
 
 from ._asyncllm import AsyncLLMMethods
 from ._commands import Abort, Add, Call, Hold, Pause, PauseMode, Release, Reply, Resume
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from vllm import EngineArgs, LLMEngine
-    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.metrics.loggers import StatLoggerFactory
 
 __all__ = ("AsyncEngine",)
@@ -85,7 +85,7 @@ class AsyncEngine(AsyncLLMMethods):
         cls,
         engine_args: EngineArgs,
         start_engine_loop: bool = True,
-        usage_context: UsageContext | None = None,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
         stat_loggers: list[StatLoggerFactory] | None = None,
         *,
         freeze_gc: bool = True,
@@ -100,10 +100,12 @@ class AsyncEngine(AsyncLLMMethods):
         """
         from vllm import LLMEngine
 
-        options: dict[str, Any] = {"stat_loggers": stat_loggers}
-        if usage_context is not None:
-            options["usage_context"] = usage_context
-        build = functools.partial(LLMEngine.from_engine_args, engine_args, **options)
+        build = functools.partial(
+            LLMEngine.from_engine_args,
+            engine_args,
+            usage_context=usage_context,
+            stat_loggers=stat_loggers,
+        )
         return cls._unstarted(build, freeze_gc)
 
     @classmethod
