@@ -125,11 +125,20 @@ def stop(server: Server) -> int:
 
 
 def client(
-    url: str, model: str, concurrency: int, prompts: int, opts: argparse.Namespace
+    url: str,
+    model: str,
+    concurrency: int,
+    prompts: int,
+    opts: argparse.Namespace,
+    served: str | None = None,
 ) -> dict[str, Any]:
     """One run of vLLM's benchmark client (``vllm bench serve``) against ``url``.
 
-    Its console output goes to the log folder, not to this script's output.
+    ``model`` is the checkpoint (the client's tokenizer comes from it), ``served``
+    the name the server serves it under if not that path. The client's
+    console output goes to the log folder, or to stderr without one. Returns
+    the client's figures: the ``METRICS`` and ``completed``, ``duration``.
+    An API key comes from ``OPENAI_API_KEY``, as the client reads it.
     """
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -144,6 +153,8 @@ def client(
         *("--ignore-eos", "--disable-tqdm", "--seed", str(opts.seed), "--temperature", "0"),
         *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"),
     ]
+    if served is not None:
+        argv += ["--served-model-name", served]
     args = parser.parse_args(argv)
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
@@ -295,18 +306,13 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     opts.logs = None
     if opts.url is not None:
-        model = opts.model or _served_model(opts.url)
+        served = _served_model(opts.url)
+        model = opts.model or served
         for conc in opts.concurrency:
-            print(
-                json.dumps(
-                    {
-                        "concurrency": conc,
-                        **client(opts.url, model, conc, prompts_for(conc, opts), opts),
-                    }
-                )
-            )
+            got = client(opts.url, model, conc, prompts_for(conc, opts), opts, served)
+            print(json.dumps({"concurrency": conc, **got}))
         return
-    stem = opts.out or ROOT / "benchmarks" / "out" / "serve"
+    stem = opts.out or ROOT / "results" / "serve"
     stem.parent.mkdir(parents=True, exist_ok=True)
     opts.logs = stem.parent / f"{stem.name}-logs"
     opts.logs.mkdir(exist_ok=True)
