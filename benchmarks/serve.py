@@ -191,6 +191,8 @@ def table(results: dict[str, dict[str, list[dict[str, Any]]]], names: list[str])
         head += ["tok/s asynckv / vllm", "TTFT p50 asynckv / vllm"]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---:"] * len(head)) + " |"]
     for conc in sorted(results, key=int):
+        if not all(results[conc][name] for name in names):
+            continue  # cut short before this size
         med = {name: medians(results[conc][name]) for name in names}
         cells = [conc]
         for key, _ in METRICS:
@@ -205,12 +207,17 @@ def table(results: dict[str, dict[str, list[dict[str, Any]]]], names: list[str])
 
 
 def plot(results: dict[str, dict[str, list[dict[str, Any]]]], names: list[str], path: Path) -> None:
-    import matplotlib
+    """Bars of the medians: output tok/s and TTFT p50 per size, one colour per server."""
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine may lack it; the JSON has everything
+        print("matplotlib is not installed: no plot")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    concs = sorted(results, key=int)
+    concs = sorted((c for c in results if all(results[c][n] for n in names)), key=int)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -244,7 +251,12 @@ def servers(
             print(f"{server.name} stopped with exit code {code}", flush=True)
 
 
-def run(opts: argparse.Namespace, server_flags: list[str]) -> dict[str, Any]:
+def run(opts: argparse.Namespace, server_flags: list[str], stem: Path) -> dict[str, Any]:
+    """Start the servers, warm them up, measure every size and repetition; write the JSON.
+
+    The JSON is rewritten after each measurement, so a run cut short (by the
+    device's time limit, say) keeps what it measured.
+    """
     model = opts.model
     if model is None:
         from asynckv.testing import tiny_model
@@ -255,6 +267,22 @@ def run(opts: argparse.Namespace, server_flags: list[str]) -> dict[str, Any]:
         str(c): {name: [] for name in names} for c in opts.concurrency
     }
     began = time.monotonic()
+    report: dict[str, Any] = {
+        "model": model,
+        "server_flags": server_flags,
+        "input_len": opts.input_len,
+        "output_len": opts.output_len,
+        "reps": opts.reps,
+        "results": results,
+    }
+
+    def save() -> None:
+        report["seconds"] = round(time.monotonic() - began, 1)
+        report["medians"] = {
+            c: {n: medians(r) for n, r in by.items() if r} for c, by in results.items()
+        }
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+
     with servers(names, model, server_flags, opts) as up:
         for name in names:  # warm-up: compile caches, first requests, connection pools
             client(up[name].url, model, 16, 32, opts)
@@ -265,16 +293,8 @@ def run(opts: argparse.Namespace, server_flags: list[str]) -> dict[str, Any]:
                     got = client(up[name].url, model, conc, prompts_for(conc, opts), opts)
                     results[str(conc)][name].append(got)
                     print(f"rep {rep + 1} c={conc} {name}: {got}", flush=True)
-    report = {
-        "model": model,
-        "server_flags": server_flags,
-        "input_len": opts.input_len,
-        "output_len": opts.output_len,
-        "reps": opts.reps,
-        "seconds": round(time.monotonic() - began, 1),
-        "results": results,
-        "medians": {c: {n: medians(r) for n, r in by.items()} for c, by in results.items()},
-    }
+                    save()
+    save()
     print(table(results, names))
     return report
 
@@ -297,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--prompts-per-stream", type=int, default=2, help="prompts = this x streams"
     )
-    parser.add_argument("--min-prompts", type=int, default=16)
+    parser.add_argument("--min-prompts", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS))
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -316,8 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     opts.logs = stem.parent / f"{stem.name}-logs"
     opts.logs.mkdir(exist_ok=True)
-    report = run(opts, server_flags)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    # A SIGTERM (the device's time limit) unwinds through the finally that stops the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    report = run(opts, server_flags, stem)
     if opts.servers == ["vllm", "asynckv"]:
         plot(report["results"], opts.servers, stem.with_suffix(".png"))
     print(f"wrote {stem.with_suffix('.json')} in {report['seconds']} s")

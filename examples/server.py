@@ -26,6 +26,8 @@ Endpoints:
 * ``GET /v1/models``: the one model.
 * ``POST /reset_prefix_cache``: ``{"reset_running_requests": bool}`` in,
   ``{"reset": bool}`` out (every engine's answer, and-ed).
+* ``POST /pause``: ``{"mode": "abort" | "wait" | "keep"}`` (``AsyncEngine.pause_generation``
+  on every engine): completions that arrive meanwhile wait; ``POST /resume`` admits them.
 * ``GET /health``: 200 while an engine is usable, 503 once none is.
 * ``GET /stats``: the requests in flight, waiting, finished and aborted over
   all engines, and each engine's ``AsyncEngine.stats()``.
@@ -50,7 +52,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import uvicorn
@@ -69,6 +71,8 @@ from vllm.utils.async_utils import merge_async_iterators
 
 from asynckv import AsyncEngine, AsyncEnginePool, EngineClosedError, EngineDeadError, RequestStream
 
+PauseMode = Literal["abort", "wait", "keep"]
+
 __all__ = ("create_app", "main")
 
 T = TypeVar("T")
@@ -85,6 +89,13 @@ class ResetBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     reset_running_requests: bool = False
+
+
+class PauseBody(BaseModel):
+    """The body of ``POST /pause``: what happens to the requests in flight."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: PauseMode = "wait"
 
 
 # -- errors --------------------------------------------------------------------------
@@ -252,6 +263,25 @@ def create_app(
         except UNAVAILABLE as exc:
             return _error(503, str(exc), "service_unavailable")
         return {"reset": all(done) if isinstance(done, list) else done}
+
+    @app.post("/pause")
+    async def pause(body: PauseBody | None = None) -> Any:
+        mode = "wait" if body is None else body.mode
+        try:
+            await asyncio.gather(
+                *(engine.pause_generation(mode=mode, clear_cache=False) for engine in members)
+            )
+        except UNAVAILABLE as exc:
+            return _error(503, str(exc), "service_unavailable")
+        return {"paused": True}
+
+    @app.post("/resume")
+    async def resume() -> Any:
+        try:
+            await asyncio.gather(*(engine.resume_generation() for engine in members))
+        except UNAVAILABLE as exc:
+            return _error(503, str(exc), "service_unavailable")
+        return {"paused": False}
 
     @app.get("/health")
     async def health() -> Any:

@@ -408,7 +408,8 @@ async def test_echo_and_logprobs(client: httpx.AsyncClient, stream: bool) -> Non
     generated = list(zip(tokens, offsets, strict=True))[-4:]
     assert len(tokens) > 4 and top[0] is None  # the prompt's tokens, the first unscored
     for token, offset in generated:
-        assert text[offset : offset + len(token)] == token
+        if "\ufffd" not in token:  # a token that ends inside a character shows as U+FFFD
+            assert text[offset : offset + len(token)] == token
     assert all(len(t) <= 3 for t in top[1:])  # the sampled token and the 2 most likely
 
 
@@ -445,29 +446,30 @@ async def test_api_key(server: Server) -> None:
 
 
 async def test_max_pending_answers_429(client: httpx.AsyncClient) -> None:
-    """Beyond --max-pending completions in flight, 429 with Retry-After; then served again."""
-    before = await _settled(client)
-    started = asyncio.Semaphore(0)
-    leave = asyncio.Event()
+    """Beyond --max-pending completions in flight, 429 with Retry-After; then served again.
 
-    async def hold(i: int) -> None:
-        body = {"prompt": f"Hold {i}", "max_tokens": LONG, "ignore_eos": True, "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            started.release()
-            await leave.wait()
+    The engines are paused, so the completions that hold the places wait, each
+    counted, until the test resumes them.
+    """
+    assert (await client.post("/pause", json={"mode": "wait"})).json() == {"paused": True}
+
+    async def hold(i: int) -> Streamed:
+        return await _stream(client, {"prompt": f"Hold {i}", "max_tokens": 4, "ignore_eos": True})
 
     holders = [asyncio.create_task(hold(i)) for i in range(MAX_PENDING)]
-    for _ in holders:
-        await started.acquire()
+    deadline = time.monotonic() + 60.0
+    while (await _stats(client))["requests_waiting"] < MAX_PENDING:
+        assert time.monotonic() < deadline, await _stats(client)
+        await asyncio.sleep(0.05)
     refused = await client.post("/v1/completions", json={"prompt": "one more"})
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit"
     assert (await client.get("/health")).status_code == 200
-    leave.set()
-    await asyncio.gather(*holders)
-    after = await _settled(client)
-    assert after["requests_aborted"] - before["requests_aborted"] == MAX_PENDING
+    assert (await client.post("/resume")).json() == {"paused": False}
+    for seen in await asyncio.gather(*holders):
+        assert seen.done and seen.finish == {0: "length"}, seen
+    await _settled(client)
     assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
 
 

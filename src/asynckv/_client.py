@@ -18,8 +18,8 @@ import threading
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import vllm.exceptions
 from vllm.engine.protocol import EngineClient
-from vllm.exceptions import GracefulHTTPError, VLLMClientError
 from vllm.tasks import POOLING_TASKS
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.engine.exceptions import EngineGenerateError
@@ -38,6 +38,15 @@ __all__ = ("AsyncEngineClient",)
 
 # How long shutdown() lets the worker stop cleanly, whatever drain time vLLM asks for.
 _SHUTDOWN_WAIT_SECONDS = 30.0
+
+# The errors AsyncLLM.generate passes on unwrapped, besides EngineDeadError: the
+# client's (a bad request, an admission refusal). vLLM before 0.32 (0.26 on the GPU
+# machine) has neither class and passes ValueError, its validation errors' base.
+_CLIENT_ERRORS: tuple[type[BaseException], ...] = tuple(
+    getattr(vllm.exceptions, name)
+    for name in ("VLLMClientError", "GracefulHTTPError")
+    if hasattr(vllm.exceptions, name)
+) or (ValueError,)
 
 
 class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes are Any to mypy
@@ -142,7 +151,7 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
                     yield out
         except (asyncio.CancelledError, GeneratorExit):
             raise  # leaving the block has aborted the request
-        except (VllmEngineDeadError, VLLMClientError, GracefulHTTPError, NotImplementedError):
+        except (VllmEngineDeadError, NotImplementedError, *_CLIENT_ERRORS):
             raise
         except Exception as exc:
             raise EngineGenerateError() from exc
