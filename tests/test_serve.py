@@ -30,7 +30,8 @@ import pytest
 from asynckv.testing import demo_model
 from support import ServerProcess, free_port, launch_server, stop_server, wait_until_healthy
 
-pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
+# Server starts (15-200 s on 2 busy cores) count against the first test's timeout.
+pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = (importlib.resources.files("asynckv") / "_data" / "corpus.txt").read_text("utf-8")

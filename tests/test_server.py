@@ -29,7 +29,8 @@ import pytest
 from support import ServerProcess, free_port, launch_server, stop_server, wait_until_healthy
 
 # The server runs as a subprocess with vLLM's default engine settings, sized for this machine.
-pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
+# Server starts (15-200 s on 2 busy cores) count against the first test's timeout.
+pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "examples" / "server.py"
