@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument(
-        "--prompts-per-stream", type=int, default=2, help="prompts = this x streams"
+        "--prompts-per-stream", type=int, default=4, help="prompts = this x streams"
     )
     parser.add_argument("--min-prompts", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)

@@ -200,6 +200,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with backend:
+            # The tokenizer and the model's length are read from the engine that was
+            # built; read them now, while it is up, so they stay readable if it dies.
+            _ = members[0].tokenizer
             yield
 
     app = FastAPI(title="asynckv completions server", lifespan=lifespan)
