@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeVar
 from vllm.usage.usage_lib import UsageContext
 
 from ._engine_calls import EngineCalls
-from ._errors import EngineClosedError, EngineDeadError, EngineNotStartedError
+from ._errors import EngineClosedError, EngineNotStartedError
 from ._requests import engine_options, pump
 
 if TYPE_CHECKING:
@@ -41,18 +41,49 @@ if TYPE_CHECKING:
     from ._stream import RequestStream
     from ._worker import Worker
 
-__all__ = ("AsyncLLMMethods",)
+__all__ = ("AsyncLLMMethods", "BuildRecord")
 
 R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
 class _BuildTime:
-    """What the ``LLMEngine`` set when it was built, read once and kept."""
+    """What the ``LLMEngine`` set when it was built: it never changes after."""
 
     vllm_config: VllmConfig
     renderer: BaseRenderer
     input_processor: InputProcessor
+
+
+class BuildRecord:
+    """Keeps what the ``LLMEngine`` set at build time, for the loop side to read.
+
+    Filled once, on the worker thread, right after the build and before the
+    worker answers ``start()`` (or at once for an engine built by the caller);
+    read on the loop only after that answer, so the loop sees it complete. It
+    holds the engine's configs and renderer, not the engine itself.
+    """
+
+    __slots__ = ("built",)
+
+    def __init__(self, engine: LLMEngine | None = None) -> None:
+        self.built: _BuildTime | None = None
+        if engine is not None:
+            self.record(engine)
+
+    def record(self, engine: LLMEngine) -> None:
+        """Take the build-time attributes of ``engine`` (on the thread that built it)."""
+        self.built = _BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
+
+    def wrap(self, build: Callable[[], LLMEngine]) -> Callable[[], LLMEngine]:
+        """``build``, recording what it built here before returning it."""
+
+        def build_and_record() -> LLMEngine:
+            engine = build()
+            self.record(engine)
+            return engine
+
+        return build_and_record
 
 
 class AsyncLLMMethods(EngineCalls):
@@ -65,7 +96,10 @@ class AsyncLLMMethods(EngineCalls):
     if TYPE_CHECKING:
         _worker: Worker
         _closed: bool
-        _built: _BuildTime
+        _record: BuildRecord
+
+        @property
+        def errored(self) -> bool: ...
 
         async def run_on_engine(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R: ...
 
@@ -137,18 +171,11 @@ class AsyncLLMMethods(EngineCalls):
     # -- what the engine set when it was built ---------------------------------------
 
     def _build_time(self) -> _BuildTime:
-        built: _BuildTime | None = getattr(self, "_built", None)
-        if built is not None:
-            return built
-        # The reference only: the worker sets it once the build has finished (and
-        # clears it when it stops), and the attributes read here never change after.
-        engine = self._worker._engine
-        if engine is None:
-            if self._closed or self._worker.dead_error is not None:
-                raise EngineClosedError()
+        built = self._record.built
+        if built is None:
+            if self._closed or self.errored:
+                raise EngineClosedError()  # it never got built
             raise EngineNotStartedError()
-        built = _BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
-        self._built = built
         return built
 
     @property
@@ -187,9 +214,8 @@ class AsyncLLMMethods(EngineCalls):
 
     @property
     def is_running(self) -> bool:
-        """Whether the engine is started and neither closed nor dead."""
-        w = self._worker
-        return w.started and not self._closed and w.dead_error is None
+        """Whether the engine is started and neither closed nor dead (``errored``)."""
+        return self._worker.started and not self._closed and not self.errored
 
     @property
     def is_stopped(self) -> bool:
@@ -198,17 +224,7 @@ class AsyncLLMMethods(EngineCalls):
         ``AsyncLLM.is_stopped`` is ``errored``; here a closed engine is
         stopped too, and ``errored`` stays False for it.
         """
-        return self._closed or self._worker.dead_error is not None
-
-    @property
-    def errored(self) -> bool:
-        """Whether the engine has died."""
-        return self._worker.dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException:
-        """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
-        return self._worker.dead_error or EngineDeadError(RuntimeError("the engine is alive"))
+        return self._closed or self.errored
 
     # -- requests ----------------------------------------------------------------------
 

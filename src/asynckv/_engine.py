@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, get_args
 from vllm.sampling_params import SamplingParams
 from vllm.usage.usage_lib import UsageContext
 
-from ._asyncllm import AsyncLLMMethods
+from ._asyncllm import AsyncLLMMethods, BuildRecord
 from ._commands import Abort, Add, Call, Hold, Pause, PauseMode, Release, Reply, Resume
 from ._errors import (
     EngineClosedError,
@@ -76,6 +76,7 @@ class AsyncEngine(AsyncLLMMethods):
     """
 
     def __init__(self, llm_engine: LLMEngine, *, freeze_gc: bool = True) -> None:
+        self._record = BuildRecord(llm_engine)
         self._worker = Worker(lambda: llm_engine, freeze_gc)
         self._closed = False
         self._worker.start(None)
@@ -111,7 +112,8 @@ class AsyncEngine(AsyncLLMMethods):
     @classmethod
     def _unstarted(cls, build: Callable[[], LLMEngine], freeze_gc: bool) -> AsyncEngine:
         self = cls.__new__(cls)
-        self._worker = Worker(build, freeze_gc)
+        self._record = BuildRecord()
+        self._worker = Worker(self._record.wrap(build), freeze_gc)
         self._closed = False
         return self
 
@@ -385,3 +387,13 @@ class AsyncEngine(AsyncLLMMethods):
         idle = now - max(worker.last_step_end or 0.0, worker.busy_since)
         if idle > stall_timeout:
             raise EngineStalledError(idle, worker.in_flight)
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine has died."""
+        return self._worker.dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException:
+        """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
+        return self._worker.dead_error or EngineDeadError(RuntimeError("the engine is alive"))
