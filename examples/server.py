@@ -1,29 +1,46 @@
-"""An OpenAI-compatible completions server on asynckv, as a FastAPI app.
+"""An OpenAI-compatible completions server on asynckv, as a small FastAPI app.
 
-It shows what the facade is for: one engine, started in the app's lifespan,
-serves every HTTP request from the server's event loop, and a client that
-goes away takes its request out of the engine. Run it with::
+It shows what the facade is for: engines started in the app's lifespan serve
+every HTTP request from the server's one event loop, and a client that goes
+away takes its request out of the engine before the engine's next step. The
+body is parsed, and the sampling parameters made, by vLLM's own protocol
+model (``CompletionRequest.to_sampling_params``), so it takes the whole
+completions body vLLM takes. For all of vLLM's server (chat, tools, metrics,
+tokenize, ...) on asynckv, run ``python -m asynckv.serve`` instead. Run this
+one with::
 
-    VLLM_CPU_KVCACHE_SPACE=1 python examples/server.py --host 127.0.0.1 --port 8000
+    VLLM_CPU_KVCACHE_SPACE=1 python examples/server.py --port 8000 [--engines 2]
 
-(``--model PATH`` and any other ``EngineArgs`` flag, ``--max-num-seqs 32`` say,
-go to the engine; without ``--model`` it serves asynckv's demo model.)
+(``--model PATH`` and any other ``EngineArgs`` flag go to the engines; without
+``--model`` it serves asynckv's demo model.)
 
 Endpoints:
 
-* ``POST /v1/completions``: a subset of OpenAI's completions body (``prompt``,
-  ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stream``,
-  ``stream_options.include_usage``, ``stop``, ``seed``, and vLLM's
-  ``ignore_eos``), answered with JSON or, with ``stream`` true, server-sent
-  events in OpenAI's chunk format, ending with ``data: [DONE]``.
+* ``POST /v1/completions``: OpenAI's completions body. ``prompt`` is a string,
+  a list of strings, token ids or a list of them (one request each, choices
+  numbered ``prompt * n + i``); ``n``, ``logprobs``, ``echo``, ``stop``,
+  ``seed``, the penalties, ``logit_bias``, ``user`` and vLLM's extras
+  (``ignore_eos``, ``top_k``, ``min_tokens``, ``repetition_penalty``, ...).
+  JSON, or with ``stream`` server-sent events in OpenAI's chunk format, ending
+  with ``data: [DONE]`` (usage last with ``stream_options.include_usage``).
+* ``GET /v1/models``: the one model.
 * ``POST /reset_prefix_cache``: ``{"reset_running_requests": bool}`` in,
-  ``{"reset": bool}`` (the engine's answer) out.
-* ``GET /health``: 200 while the engine is usable, 503 once it is dead or closed.
-* ``GET /stats``: ``AsyncEngine.stats()`` as JSON.
+  ``{"reset": bool}`` out (every engine's answer, and-ed).
+* ``POST /pause``: ``{"mode": "abort" | "wait" | "keep"}`` (``AsyncEngine.pause_generation``
+  on every engine): completions that arrive meanwhile wait; ``POST /resume`` admits them.
+* ``GET /health``: 200 while an engine is usable, 503 once none is.
+* ``GET /stats``: the requests in flight, waiting, finished and aborted over
+  all engines, and each engine's ``AsyncEngine.stats()``.
+
+Limits: the server listens on 127.0.0.1 unless ``--host`` says otherwise;
+with ``--api-key KEY`` every ``/v1`` endpoint answers 401 without
+``Authorization: Bearer KEY``; with ``--max-pending N``, a completion beyond N
+in flight gets 429 with ``Retry-After`` instead of a place in an unbounded
+queue. ``--engines N`` serves from ``AsyncEnginePool``, N engines on one loop.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
 400 for a body that doesn't validate or a request the engine refuses (a
-prompt longer than the model takes, say), 503 when the engine is dead or
+prompt longer than the model takes, say), 503 when the engines are dead or
 closed. An error after a stream has started arrives as an ``error`` event.
 """
 
@@ -32,94 +49,53 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
-from typing import Annotated, Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, Literal, TypeVar
 
 import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.types import Send
-from vllm import EngineArgs, SamplingParams
+from pydantic import BaseModel, ConfigDict
+from starlette.types import ASGIApp, Receive, Scope, Send
+from vllm import EngineArgs
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
+from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import RequestOutputKind
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.utils.async_utils import merge_async_iterators
 
-from asynckv import AsyncEngine, EngineClosedError, EngineDeadError, RequestStream
+from asynckv import AsyncEngine, AsyncEnginePool, EngineClosedError, EngineDeadError, RequestStream
+
+PauseMode = Literal["abort", "wait", "keep"]
 
 __all__ = ("create_app", "main")
 
 T = TypeVar("T")
-log = logging.getLogger("asynckv.server")
-
-_COMPACT = (",", ":")  # JSON separators without spaces, as FastAPI's JSON answers
-
+Engines = AsyncEngine | AsyncEnginePool
+UNAVAILABLE = (EngineDeadError, EngineClosedError)
+# What vLLM raises for a request it refuses (VLLMValidationError is not a ValueError).
+BAD_REQUEST = (ValueError, OverflowError, VLLMValidationError)
 # How long a stream that lost its client waits for the engine to confirm the abort.
 _ABORT_WAIT_SECONDS = 10.0
 
 
-# -- request bodies ------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    # JSON types are taken as they are ("1" is not a number) and unknown fields
-    # are refused, so a misspelt option is a 400 rather than silently ignored.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Body):
-    """OpenAI's ``stream_options``."""
-
-    include_usage: bool = False
-
-
-class CompletionBody(_Body):
-    """The part of OpenAI's completions body that this server understands.
-
-    Integers are bounded as OpenAI bounds them: vLLM silently drops a request
-    whose seed doesn't fit in 64 bits, and its engine then waits forever.
-    """
-
-    model: str | None = None
-    """Accepted for compatibility and otherwise ignored: the server has one model."""
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1, lt=2**31)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = (
-        None
-    )
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    ignore_eos: bool = False
-    """vLLM's extension: keep generating past the end-of-sequence token."""
-
-    def sampling_params(self) -> SamplingParams:
-        """The engine's parameters; raises ``ValueError`` for a combination vLLM refuses."""
-        return SamplingParams(
-            n=self.n,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            stop=self.stop,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-        )
-
-
-class ResetBody(_Body):
+class ResetBody(BaseModel):
     """The body of ``POST /reset_prefix_cache``."""
 
+    model_config = ConfigDict(extra="forbid", strict=True)
     reset_running_requests: bool = False
+
+
+class PauseBody(BaseModel):
+    """The body of ``POST /pause``: what happens to the requests in flight."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: PauseMode = "wait"
 
 
 # -- errors --------------------------------------------------------------------------
@@ -133,18 +109,15 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
     return JSONResponse(_error_body(message, kind, param), status_code=status)
 
 
-def _unavailable(exc: Exception) -> JSONResponse:
-    return _error(503, str(exc), "service_unavailable")
-
-
-def _gone() -> Response:
-    # nginx's "client closed request": for the access log, nobody reads it.
-    return Response(status_code=499)
-
-
 def _invalid(exc: Exception) -> JSONResponse:
     param = exc.parameter if isinstance(exc, VLLMValidationError) else None
     return _error(400, str(exc), "invalid_request_error", param)
+
+
+async def _on_bad_request(request: Request, exc: Exception) -> JSONResponse:
+    # vLLM's protocol models raise VLLMValidationError from their validators, which
+    # pydantic passes through instead of making a validation error of it.
+    return _invalid(exc)
 
 
 async def _on_invalid_body(request: Request, exc: Exception) -> JSONResponse:
@@ -155,107 +128,228 @@ async def _on_invalid_body(request: Request, exc: Exception) -> JSONResponse:
             problems.append("the body is not valid JSON")
             continue
         where = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
-        # FastAPI hands over anything but a JSON object (no Content-Type, say) as is.
         problems.append(f"{where}: {err.get('msg')}" if where else "expected a JSON object")
     return _error(400, "invalid body: " + "; ".join(problems), "invalid_request_error")
+
+
+class Guard:
+    """ASGI middleware: the API key on ``/v1``, and at most ``max_pending`` completions in flight.
+
+    A completion counts from its arrival to the end of its response (the last
+    event of a stream), so the bound holds however the clients behave.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_pending: int | None) -> None:
+        self.app, self.api_key, self.max_pending = app, api_key, max_pending
+        self.pending = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
+                await _error(401, "a valid API key is required", "authentication_error")(
+                    scope, receive, send
+                )
+                return
+        if scope["path"] != "/v1/completions":
+            await self.app(scope, receive, send)
+            return
+        if self.max_pending is not None and self.pending >= self.max_pending:
+            refused = _error(429, f"{self.pending} completions in flight; retry", "rate_limit")
+            refused.headers["Retry-After"] = "1"
+            await refused(scope, receive, send)
+            return
+        self.pending += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.pending -= 1
 
 
 # -- the app -------------------------------------------------------------------------
 
 
-def create_app(engine_args: EngineArgs, model_name: str | None = None) -> FastAPI:
-    """Make the app; its lifespan starts an engine from ``engine_args`` and closes it.
+def create_app(
+    engine_args: EngineArgs,
+    model_name: str | None = None,
+    *,
+    engines: int = 1,
+    api_key: str | None = None,
+    max_pending: int | None = None,
+) -> FastAPI:
+    """Make the app; its lifespan starts the engines from ``engine_args`` and closes them.
 
+    ``engines`` > 1 serves from an ``AsyncEnginePool`` of that many engines.
     ``model_name`` is the name answers carry in ``model``: by default the
     first ``served_model_name``, else ``engine_args.model``.
     """
-    engine = AsyncEngine.from_engine_args(engine_args)
-    if model_name is None:
-        served = engine_args.served_model_name
-        if isinstance(served, str):
-            model_name = served
-        elif served:
-            model_name = str(served[0])
-        else:
-            model_name = str(engine_args.model)
-    name = model_name
+    backend: Engines
+    if engines > 1:
+        pool = AsyncEnginePool.from_engine_args([engine_args] * engines)
+        backend, members = pool, pool.engines
+    else:
+        backend = AsyncEngine.from_engine_args(engine_args)
+        members = (backend,)
+    served = engine_args.served_model_name
+    name = model_name or (served if isinstance(served, str) else None)
+    name = name or (str(served[0]) if served else str(engine_args.model))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with engine:
+        async with backend:
+            # The tokenizer and the model's length are read from the engine that was
+            # built; read them now, while it is up, so they stay readable if it dies.
+            _ = members[0].tokenizer
             yield
 
     app = FastAPI(title="asynckv completions server", lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
+    app.add_exception_handler(VLLMValidationError, _on_bad_request)
+    app.add_middleware(Guard, api_key=api_key, max_pending=max_pending)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionBody, request: Request) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        if body.suffix is not None or body.use_beam_search or body.prompt_embeds is not None:
+            return _error(400, "suffix, beam search and prompt embeddings are not supported",
+                          "invalid_request_error")  # fmt: skip
+        engine = members[0]  # for the tokenizer and limits, the same on every engine
         try:
-            params = body.sampling_params()
-        except ValueError as exc:  # VLLMValidationError is one too
+            prompts = _prompts(body.prompt)
+            params = [body.to_sampling_params(_max_tokens(body, p, engine)) for p in prompts]
+        except BAD_REQUEST as exc:
             return _invalid(exc)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+        head = {"id": request_id, "object": "text_completion", "created": int(time.time())}
+        head["model"] = name
         try:
-            stream = engine.generate(body.prompt, params, request_id=request_id)
-        except (EngineDeadError, EngineClosedError) as exc:
-            return _unavailable(exc)
-        owned: RequestStream | None = stream  # closed on the way out unless handed off
-        head = {"id": request_id, "object": "text_completion", "created": created, "model": name}
+            streams = [
+                backend.generate(prompt, sp, f"{request_id}-{i}")
+                for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+        except UNAVAILABLE as exc:
+            return _error(503, str(exc), "service_unavailable")
+        answer = _Answer(body, prompts, engine)
+        outputs = merge_async_iterators(*(_outputs(s) for s in streams))
+        owned = True  # closed on the way out unless the response takes them over
         try:
-            if not body.stream:
-                final = await _unless_disconnected(request, _result(stream))
-                return _gone() if final is None else {**head, **_completion(final)}
             # The first output (or the engine's refusal) comes before the headers,
             # so that a refused request gets its 400 rather than a broken stream.
-            outputs = aiter(stream)
             first = await _unless_disconnected(request, anext(outputs))
             if first is None:
-                return _gone()
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = _events(stream, outputs, first, head, include_usage)
-            owned = None  # the response closes it
-            return _EventStream(events)
-        except VLLMValidationError as exc:
+                return Response(status_code=499)  # nginx's "client closed request"
+            if body.stream:
+                owned = False
+                return _EventStream(_events(answer, head, first, outputs, streams))
+            finals = await _unless_disconnected(request, _finals(first, outputs, len(prompts)))
+            return Response(status_code=499) if finals is None else {**head, **answer.whole(finals)}
+        except UNAVAILABLE as exc:
+            return _error(503, str(exc), "service_unavailable")
+        except BAD_REQUEST as exc:  # the engine refused it (a prompt too long, say)
             return _invalid(exc)
-        except (EngineDeadError, EngineClosedError) as exc:
-            return _unavailable(exc)
         finally:
-            if owned is not None:
-                await _close(owned)
+            if owned:
+                await _close(outputs, streams)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": name, "object": "model", "owned_by": "asynckv"}
+        return {"object": "list", "data": [card | {"max_model_len": engine_args.max_model_len}]}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(body: ResetBody | None = None) -> Any:
         running = body is not None and body.reset_running_requests
         try:
-            return {"reset": await engine.reset_prefix_cache(reset_running_requests=running)}
-        except (EngineDeadError, EngineClosedError) as exc:
-            return _unavailable(exc)
+            done = await backend.reset_prefix_cache(reset_running_requests=running)
+        except UNAVAILABLE as exc:
+            return _error(503, str(exc), "service_unavailable")
+        return {"reset": all(done) if isinstance(done, list) else done}
+
+    @app.post("/pause")
+    async def pause(body: PauseBody | None = None) -> Any:
+        mode = "wait" if body is None else body.mode
+        try:
+            await asyncio.gather(
+                *(engine.pause_generation(mode=mode, clear_cache=False) for engine in members)
+            )
+        except UNAVAILABLE as exc:
+            return _error(503, str(exc), "service_unavailable")
+        return {"paused": True}
+
+    @app.post("/resume")
+    async def resume() -> Any:
+        try:
+            await asyncio.gather(*(engine.resume_generation() for engine in members))
+        except UNAVAILABLE as exc:
+            return _error(503, str(exc), "service_unavailable")
+        return {"paused": False}
 
     @app.get("/health")
     async def health() -> Any:
-        try:
-            await engine.check_health()
-        except (EngineDeadError, EngineClosedError) as exc:
-            return _unavailable(exc)
-        return {"status": "ok"}
+        errors = []
+        for engine in members:
+            try:
+                await engine.check_health()
+                return {"status": "ok"}
+            except UNAVAILABLE as exc:
+                errors.append(str(exc))
+        return _error(503, "; ".join(errors), "service_unavailable")
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        return engine.stats()._asdict()
+        each = [engine.stats()._asdict() for engine in members]
+        keys = ("requests_in_flight", "requests_waiting", "commands_queued")
+        totals = {key: sum(s[key] for s in each) for key in (*keys, "requests_finished")}
+        return totals | {
+            "requests_aborted": sum(s["requests_aborted"] for s in each),
+            "engines": each,
+        }
 
     return app
 
 
-async def _result(stream: RequestStream) -> RequestOutput:
-    return await stream
+def _prompts(prompt: Any) -> list[str | TokensPrompt]:
+    """One engine prompt per prompt of the body: text as it is, token ids as a TokensPrompt."""
+    if prompt is None or prompt == [] or prompt == "":
+        raise VLLMValidationError("prompt must not be empty", parameter="prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [TokensPrompt(prompt_token_ids=list(prompt))]
+    return [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompt]
+
+
+def _max_tokens(body: CompletionRequest, prompt: str | TokensPrompt, engine: AsyncEngine) -> int:
+    """The body's ``max_tokens``, or with null as many as the model's length leaves."""
+    if body.max_tokens is not None:
+        return int(body.max_tokens)
+    ids = (
+        prompt["prompt_token_ids"] if isinstance(prompt, dict) else engine.tokenizer.encode(prompt)
+    )
+    return max(1, int(engine.model_config.max_model_len) - len(ids))
+
+
+async def _outputs(stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
+    # An async generator, as merge_async_iterators takes; leaving it aborts the request.
+    async with stream:
+        async for out in stream:
+            yield out
+
+
+async def _finals(
+    first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]], count: int
+) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * count
+    finals[first[0]] = first[1]
+    async for i, out in rest:
+        finals[i] = out
+    return [out for out in finals if out is not None]
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Await ``work``, or cancel it and return None if the client goes away first.
-
-    Cancelling a task that waits on a stream aborts the stream's request.
-    """
+    """Await ``work``, or cancel it and return None if the client goes away first."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(request))
     try:
@@ -275,79 +369,136 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
+async def _close(outputs: AsyncGenerator[Any, None], streams: list[RequestStream]) -> None:
+    """Abort what is unfinished and wait, boundedly, for the streams to end (shielded)."""
+    with anyio.move_on_after(_ABORT_WAIT_SECONDS, shield=True):
+        await outputs.aclose()
+        for stream in streams:
+            await stream.aclose()
+
+
 # -- answers -------------------------------------------------------------------------
 
 
-def _choice(completion: Any) -> dict[str, Any]:
-    return {
-        "index": completion.index,
-        "text": completion.text,
-        "logprobs": None,
-        "finish_reason": completion.finish_reason,
-    }
+class _Answer:
+    """Turns a request's outputs into OpenAI's choices: text, echo, logprobs and usage."""
 
+    def __init__(self, body: CompletionRequest, prompts: list[Any], engine: AsyncEngine) -> None:
+        self.body, self.prompts, self.engine = body, prompts, engine
+        self.offsets: dict[int, int] = {}  # per choice: characters sent so far
+        self.prompt_tokens = [0] * len(prompts)
+        self.generated = 0
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    def choices(self, i: int, out: RequestOutput) -> list[dict[str, Any]]:
+        """The choices of one output (a delta when streaming) of prompt ``i``."""
+        self.prompt_tokens[i] = len(out.prompt_token_ids or ())
+        choices = []
+        for c in out.outputs:
+            index = i * self.body.n + c.index
+            echo = self.body.echo and index not in self.offsets  # the choice's first chunk
+            start = self.offsets.get(index, 0)
+            prefix = self._prompt_text(out) if echo else ""
+            self.offsets[index] = start + len(prefix) + len(c.text)
+            self.generated += len(c.token_ids)
+            logprobs = None
+            if self.body.logprobs is not None and c.logprobs is not None:
+                # OpenAI's echo with logprobs scores the prompt's tokens too.
+                scored = out.prompt_logprobs if echo and out.prompt_logprobs is not None else []
+                prompt = list(zip(out.prompt_token_ids or (), scored, strict=False))
+                generated = list(zip(c.token_ids, c.logprobs, strict=False))
+                logprobs = self._logprobs(prompt, generated, start, prefix)
+            choices.append(
+                {
+                    "index": index,
+                    "text": prefix + c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return choices
 
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return str(out.prompt)
+        return str(self.engine.get_tokenizer().decode(out.prompt_token_ids or []))
 
-def _completion(final: RequestOutput) -> dict[str, Any]:
-    outputs: Sequence[Any] = final.outputs
-    generated = sum(len(c.token_ids) for c in outputs)
-    return {
-        "choices": [_choice(c) for c in outputs],
-        "usage": _usage(len(final.prompt_token_ids or ()), generated),
-    }
+    def _logprobs(
+        self, prompt: list[Any], generated: list[Any], start: int, prefix: str
+    ) -> dict[str, list[Any]]:
+        """OpenAI's completion logprobs of ``(token id, {id: Logprob} | None)`` positions.
+
+        ``text_offset`` indexes the choice's whole text: a prompt token the
+        echoed ``prefix`` doesn't show (``<s>``) sits where the text stands.
+        """
+        lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        lp["text_offset"] = []
+        at = 0  # how far into the prefix
+        for token_id, position in prompt:
+            text = self._add(lp, token_id, position, start + at)
+            found = prefix.find(text, at) if text else -1
+            if found >= 0:
+                lp["text_offset"][-1], at = start + found, found + len(text)
+        offset = start + len(prefix)
+        for token_id, position in generated:
+            offset += len(self._add(lp, token_id, position, offset))
+        return lp
+
+    def _add(self, lp: dict[str, list[Any]], token_id: int, position: Any, offset: int) -> str:
+        chosen = None if position is None else position[token_id]
+        # The first prompt token has no logprob, nor a decoded text: decode it here.
+        if chosen is None:
+            text = str(self.engine.get_tokenizer().decode([token_id]))
+        else:
+            text = chosen.decoded_token or ""
+        lp["tokens"].append(text)
+        lp["token_logprobs"].append(None if chosen is None else chosen.logprob)
+        top = None if position is None else {p.decoded_token: p.logprob for p in position.values()}
+        lp["top_logprobs"].append(top)
+        lp["text_offset"].append(offset)
+        return text
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(self.prompt_tokens)
+        total = prompt + self.generated
+        return {"prompt_tokens": prompt, "completion_tokens": self.generated, "total_tokens": total}
+
+    def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """The body of a JSON answer from each prompt's final output."""
+        choices = [c for i, out in enumerate(finals) for c in self.choices(i, out)]
+        return {"choices": sorted(choices, key=lambda c: c["index"]), "usage": self.usage()}
 
 
 def _sse(data: object) -> str:
-    return f"data: {json.dumps(data, separators=_COMPACT)}\n\n"
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 async def _events(
-    stream: RequestStream,
-    outputs: AsyncIterator[RequestOutput],
-    first: RequestOutput,
+    answer: _Answer,
     head: dict[str, Any],
-    include_usage: bool,
+    first: tuple[int, RequestOutput],
+    rest: AsyncGenerator[tuple[int, RequestOutput], None],
+    streams: list[RequestStream],
 ) -> AsyncGenerator[str, None]:
-    """Yield the SSE events of a DELTA stream whose first output is ``first``.
+    """Yield the SSE events of the merged DELTA streams, ``first`` first.
 
-    However it ends (the client gone, an error, the server stopping), the
-    request is aborted if unfinished and its stream closed, in ``finally``.
+    However it ends (the client gone, an error, the server stopping), every
+    unfinished request is aborted and its stream closed, in ``finally``.
     """
-    prompt_tokens = len(first.prompt_token_ids or ())
-    generated = 0
     try:
-        out: RequestOutput | None = first
-        while out is not None:
-            completions: Sequence[Any] = out.outputs
-            generated += sum(len(c.token_ids) for c in completions)
-            yield _sse({**head, "choices": [_choice(c) for c in completions]})
-            out = await anext(outputs, None)
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, generated)})
+        yield _sse({**head, "choices": answer.choices(*first)})
+        async for i, out in rest:
+            yield _sse({**head, "choices": answer.choices(i, out)})
+        options = answer.body.stream_options
+        if options is not None and options.include_usage:
+            yield _sse({**head, "choices": [], "usage": answer.usage()})
         yield "data: [DONE]\n\n"
-    except (EngineDeadError, EngineClosedError) as exc:
+    except UNAVAILABLE as exc:
         yield _sse(_error_body(str(exc), "service_unavailable"))
     except Exception as exc:
-        log.exception("stream %s failed", stream.request_id)
         yield _sse(_error_body(f"{type(exc).__name__}: {exc}", "internal_error"))
     finally:
-        await _close(stream)
-
-
-async def _close(stream: RequestStream) -> None:
-    """Abort the request if unfinished and wait, boundedly, for its stream to end.
-
-    Shielded: a disconnect can arrive as a cancellation of the calling task.
-    """
-    with anyio.move_on_after(_ABORT_WAIT_SECONDS, shield=True):
-        await stream.aclose()
+        await _close(rest, streams)
 
 
 class _EventStream(StreamingResponse):
@@ -359,11 +510,8 @@ class _EventStream(StreamingResponse):
     """
 
     def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
 
     async def stream_response(self, send: Send) -> None:
@@ -379,6 +527,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = FlexibleArgumentParser(description="Serve OpenAI-style completions with asynckv.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--engines", type=int, default=1, help="engines (AsyncEnginePool if > 1)")
+    parser.add_argument("--api-key", default=None, help="require this bearer token on /v1")
+    parser.add_argument("--max-pending", type=int, default=None, help="429 beyond this many")
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(model=None)  # None: the demo model
@@ -389,13 +540,14 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model = str(demo_model())  # built and cached on first use (about 15 s)
         model_name = "demo"
-    engine_args = EngineArgs.from_cli_args(args)
-    uvicorn.run(
-        create_app(engine_args, model_name),
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
+    app = create_app(
+        EngineArgs.from_cli_args(args),
+        model_name,
+        engines=args.engines,
+        api_key=args.api_key,
+        max_pending=args.max_pending,
     )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
 
 
 if __name__ == "__main__":  # vLLM spawns engine processes: the guard is required

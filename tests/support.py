@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import socket
+import subprocess
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -168,3 +173,84 @@ class FakeEngine:
 if TYPE_CHECKING:
     # mypy checks the fake against the Protocol of what the worker calls.
     _FAKE_IS_AN_ENGINE: EngineLike = FakeEngine()
+# -- HTTP servers in subprocesses (tests/test_server.py, tests/test_serve.py) ---------------
+
+
+@dataclass(frozen=True)
+class ServerProcess:
+    """A server started by a test: its process, base URL, served model name and log file."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    model: str
+    log: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def launch_server(command: list[str], log: Path, model: str, port: int) -> ServerProcess:
+    """Start ``command`` (which listens on ``port``) with its output in ``log``; don't wait."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
+    }
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return ServerProcess(process, f"http://127.0.0.1:{port}", model, log)
+
+
+def wait_until_healthy(server: ServerProcess, seconds: float = 600.0) -> list[psutil.Process]:
+    """Poll ``/health`` until it answers 200 (engine start takes 15-200 s); return the children."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"the server exited with {server.process.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                children: list[psutil.Process] = psutil.Process(server.process.pid).children(
+                    recursive=True
+                )
+                return children
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server did not become healthy:\n{server.log_tail()}")
+
+
+def stop_server(
+    server: ServerProcess, children: list[psutil.Process], tracebacks_ok: bool = False
+) -> None:
+    """SIGTERM the server: it must exit cleanly, with no traceback, leaving no process behind.
+
+    ``tracebacks_ok`` for ``vllm serve``, whose ``AsyncLLM`` at times logs its own
+    output handler's ``EngineDeadError`` while it shuts down.
+    """
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        code = server.process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+        pytest.fail(f"the server ignored SIGTERM:\n{server.log_tail()}")
+    # After its graceful shutdown uvicorn re-raises the signal it caught, so a
+    # clean exit is death by SIGTERM once the app's shutdown has completed.
+    assert code in (0, -signal.SIGTERM), server.log_tail()
+    text = server.log.read_text(errors="replace")
+    assert "Application shutdown complete." in text, server.log_tail()
+    assert tracebacks_ok or "Traceback" not in text, server.log_tail()
+    # vLLM's model-runner process outlives its engine core by a moment at shutdown.
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [(p, p.cmdline()) for p in alive]

@@ -1,20 +1,19 @@
 """The example server (examples/server.py) over real HTTP, with httpx and the openai client.
 
-One server process serves the whole module: it is started with the tiny model
-on a free loopback port, and stopped at the end, where it must exit cleanly.
-Tests that stream leave the engine with no unfinished request; the last test
-kills the engine and so must stay last.
+One server process serves the whole module: two engines (``--engines 2``, an
+``AsyncEnginePool``) on the tiny model, an API key and ``--max-pending``, on a
+free loopback port; it is stopped at the end, where it must exit cleanly and
+leave no process behind. Tests that stream leave the engines with no
+unfinished request; the last test kills the engines and so must stay last.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import importlib.util
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -27,88 +26,49 @@ import openai
 import psutil
 import pytest
 
+from support import ServerProcess, free_port, launch_server, stop_server, wait_until_healthy
+
 # The server runs as a subprocess with vLLM's default engine settings, sized for this machine.
-pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
+# Server starts (15-200 s on 2 busy cores) count against the first test's timeout.
+pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(600)]
 
-SERVER = Path(__file__).resolve().parents[1] / "examples" / "server.py"
-STARTUP_TRIES = 240  # one a second: engine start takes 15-70 s on 2 busy cores
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = ROOT / "examples" / "server.py"
 LONG = 400  # tokens: far more than a client that disconnects early ever sees
+KEY = "example-key"
+MAX_PENDING = 210  # above the 200 clients of the load test
+ENGINES = 2
 
-
-@dataclass(frozen=True)
-class Server:
-    process: subprocess.Popen[bytes]
-    url: str
-    model: str
-    log: Path
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _wait_until_healthy(server: Server) -> None:
-    for _ in range(STARTUP_TRIES):
-        if server.process.poll() is not None:
-            pytest.fail(f"the server exited with {server.process.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"the server did not become healthy:\n{server.log_tail()}")
+Server = ServerProcess
 
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The server in a subprocess, healthy; at the end, SIGTERM must stop it with status 0."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    """The server in a subprocess, healthy; at the end, SIGTERM must stop it cleanly."""
+    port = free_port()
     command = [
         sys.executable,
         str(SERVER),
         *("--host", "127.0.0.1", "--port", str(port), "--model", str(model_path)),
-        *("--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0"),
+        *("--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--enforce-eager"),
+        *("--engines", str(ENGINES), "--api-key", KEY, "--max-pending", str(MAX_PENDING)),
         "--disable-log-stats",
     ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    started = Server(process, f"http://127.0.0.1:{port}", str(model_path), log)
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    started = launch_server(command, log, str(model_path), port)
     children: list[psutil.Process] = []
     try:
-        _wait_until_healthy(started)
-        children = psutil.Process(process.pid).children(recursive=True)
+        children = wait_until_healthy(started)
         yield started
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            pytest.fail(f"the server ignored SIGTERM:\n{started.log_tail()}")
-    # After its graceful shutdown uvicorn re-raises the signal it caught, so a
-    # clean exit is death by SIGTERM once the app's shutdown has completed.
-    assert code in (0, -signal.SIGTERM), started.log_tail()
-    log_text = log.read_text(errors="replace")
-    assert "Application shutdown complete." in log_text, started.log_tail()
-    assert "Traceback" not in log_text, started.log_tail()
-    _, alive = psutil.wait_procs(children, timeout=15)
-    assert not alive, [(p, p.cmdline()) for p in alive]
+        stop_server(started, children)
 
 
 @pytest.fixture
 async def client(server: Server) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(
         base_url=server.url,
+        headers={"Authorization": f"Bearer {KEY}"},
         timeout=httpx.Timeout(120.0),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
     ) as http:
@@ -118,7 +78,7 @@ async def client(server: Server) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture
 async def oai(server: Server) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120.0
+        base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120.0
     ) as api:
         yield api
 
@@ -175,7 +135,8 @@ async def _stats(client: httpx.AsyncClient) -> dict[str, Any]:
 
 async def _settled(client: httpx.AsyncClient) -> dict[str, Any]:
     """Stats once no request is in flight (aborts land at the next step boundary)."""
-    for _ in range(100):
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
         stats = await _stats(client)
         if stats["requests_in_flight"] == 0 and stats["commands_queued"] == 0:
             return stats
@@ -186,15 +147,18 @@ async def _settled(client: httpx.AsyncClient) -> dict[str, Any]:
 # -- answers -------------------------------------------------------------------------
 
 
-async def test_health_and_stats(client: httpx.AsyncClient) -> None:
-    """/health answers ok and /stats carries every EngineStats field."""
+async def test_health_stats_and_models(client: httpx.AsyncClient, server: Server) -> None:
+    """/health answers ok, /stats has the totals and every engine's stats, /v1/models the model."""
     from asynckv import EngineStats
 
     r = await client.get("/health")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
     stats = await _stats(client)
-    assert set(stats) == set(EngineStats._fields)
+    assert len(stats["engines"]) == ENGINES
+    assert all(set(engine) == set(EngineStats._fields) for engine in stats["engines"])
     assert stats["requests_in_flight"] == 0
+    models = (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [server.model]
 
 
 async def test_completion(client: httpx.AsyncClient, server: Server) -> None:
@@ -309,23 +273,26 @@ async def test_reset_during_streaming(client: httpx.AsyncClient) -> None:
 
 # -- bad input -----------------------------------------------------------------------
 
+# vLLM's CompletionRequest parses the body: its own checks, and its lax JSON ("8" is 8),
+# with unknown fields ignored (and logged) as vLLM's own server ignores them.
 BAD_BODIES: list[tuple[str, str]] = [
     ("not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object"),
-    ("{}", "prompt: Field required"),
+    ("{}", "prompt"),
     ('{"prompt": ""}', "prompt"),
+    ('{"prompt": []}', "prompt"),
     ('{"prompt": 42}', "prompt"),
+    ('{"prompt": ["x", [1, 2]]}', "prompt"),
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
-    ('{"prompt": "x", "max_tokens": "8"}', "max_tokens"),
     ('{"prompt": "x", "temperature": -1}', "temperature"),
     ('{"prompt": "x", "top_p": 0}', "top_p"),
-    ('{"prompt": "x", "n": 0}', "n"),
-    ('{"prompt": "x", "stream": "yes"}', "stream"),
+    ('{"prompt": "x", "n": 0}', "n must be at least 1"),
     ('{"prompt": "x", "stop": [""]}', "stop"),
     ('{"prompt": "x", "seed": 1.5}', "seed"),
     ('{"prompt": "x", "seed": 18446744073709551616}', "seed"),
-    ('{"prompt": "x", "max_tokens": 1180591620717411303424}', "max_tokens"),
-    ('{"prompt": "x", "max_token": 8}', "max_token: Extra inputs are not permitted"),
+    ('{"prompt": "x", "max_tokens": 1180591620717411303424}', "serialize ints"),
+    ('{"prompt": "x", "logprobs": 100}', "logprobs"),
+    ('{"prompt": "x", "suffix": "y"}', "suffix"),
 ]
 
 
@@ -342,6 +309,8 @@ async def test_bad_body(client: httpx.AsyncClient, body: str, message: str) -> N
 
 
 ODD_BODIES: list[dict[str, Any]] = [
+    {"max_tokens": "8"},
+    {"max_token": 8},
     {"seed": -(2**63)},
     {"seed": 2**63 - 1},
     {"prompt": "nul \u0000 and emoji \U0001f600 and <s></s><unk>"},
@@ -382,6 +351,148 @@ async def test_openai_client_sees_400(oai: openai.AsyncOpenAI, server: Server) -
     """The openai client raises BadRequestError with the server's message."""
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         await oai.completions.create(model=server.model, prompt="x", max_tokens=0)
+
+
+# -- the whole completions body -------------------------------------------------------------
+
+
+async def test_several_prompts_and_vllm_extras(client: httpx.AsyncClient) -> None:
+    """Lists of prompts (text or token ids), n, penalties, logit_bias, user and vLLM's extras."""
+    body = {
+        "prompt": ["Hello", "World"],
+        "n": 2,
+        "max_tokens": 3,
+        "seed": 3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "logit_bias": {"5": -100},
+        "user": "someone",
+        "top_k": 5,
+        "min_tokens": 3,
+        "repetition_penalty": 1.1,
+        "ignore_eos": True,
+    }
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]  # prompt * n + i
+    assert answer["usage"]["completion_tokens"] == 4 * 3
+
+    ids = {"prompt": [[1, 40, 41], [1, 50]], "max_tokens": 2, "ignore_eos": True}
+    r = await client.post("/v1/completions", json=ids)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 5
+    single = await client.post("/v1/completions", json={**ids, "prompt": [1, 40, 41]})
+    assert len(single.json()["choices"]) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_and_logprobs(client: httpx.AsyncClient, model_path: Path, stream: bool) -> None:
+    """echo prepends the prompt; logprobs score its tokens too, with offsets into the text."""
+    from tokenizers import Tokenizer
+
+    # Whole-character tokens only (vLLM's allowed_token_ids), so token texts spell the text.
+    words = Tokenizer.from_file(str(model_path / "tokenizer.json")).encode("the cat sat on a mat")
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 4,
+        "echo": True,
+        "logprobs": 2,
+        "ignore_eos": True,
+        "allowed_token_ids": words.ids[1:],
+    }
+    text, tokens, offsets, top = "", [], [], []
+    if stream:
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                        text += choice["text"]
+                        tokens += choice["logprobs"]["tokens"]
+                        offsets += choice["logprobs"]["text_offset"]
+                        top += choice["logprobs"]["top_logprobs"]
+    else:
+        r = await client.post("/v1/completions", json=body)
+        [choice] = r.json()["choices"]
+        text, logprobs = choice["text"], choice["logprobs"]
+        tokens, offsets, top = logprobs["tokens"], logprobs["text_offset"], logprobs["top_logprobs"]
+    assert text.startswith("Hello")
+    generated = list(zip(tokens, offsets, strict=True))[-4:]
+    assert len(tokens) > 4 and top[0] is None  # the prompt's tokens, the first unscored
+    for token, offset in generated:
+        assert text[offset : offset + len(token)] == token
+    assert all(len(t) <= 3 for t in top[1:])  # the sampled token and the 2 most likely
+
+
+def _bench_module() -> Any:
+    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "benchmarks" / "serve.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vllm_bench_serve(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own benchmark client (the random dataset, streaming) completes every request."""
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    opts = argparse.Namespace(input_len=32, output_len=8, seed=0, logs=None)
+    got = _bench_module().client(server.url, server.model, 4, 16, opts)
+    assert (got["completed"], got["failed"]) == (16, 0), got
+
+
+# -- limits and the pool -----------------------------------------------------------------------
+
+
+async def test_api_key(server: Server) -> None:
+    """Without the key /v1 answers 401; /health and /stats stay open."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=30.0) as anonymous:
+        r = await anonymous.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+        wrong = {"Authorization": "Bearer nope"}
+        assert (await anonymous.get("/v1/models", headers=wrong)).status_code == 401
+        assert (await anonymous.get("/health")).status_code == 200
+        assert (await anonymous.get("/stats")).status_code == 200
+
+
+async def test_max_pending_answers_429(client: httpx.AsyncClient) -> None:
+    """Beyond --max-pending completions in flight, 429 with Retry-After; then served again.
+
+    The engines are paused, so the completions that hold the places wait, each
+    counted, until the test resumes them.
+    """
+    assert (await client.post("/pause", json={"mode": "wait"})).json() == {"paused": True}
+
+    async def hold(i: int) -> Streamed:
+        return await _stream(client, {"prompt": f"Hold {i}", "max_tokens": 4, "ignore_eos": True})
+
+    holders = [asyncio.create_task(hold(i)) for i in range(MAX_PENDING)]
+    deadline = time.monotonic() + 60.0
+    while (await _stats(client))["requests_waiting"] < MAX_PENDING:
+        assert time.monotonic() < deadline, await _stats(client)
+        await asyncio.sleep(0.05)
+    refused = await client.post("/v1/completions", json={"prompt": "one more"})
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit"
+    assert (await client.get("/health")).status_code == 200
+    assert (await client.post("/resume")).json() == {"paused": False}
+    for seen in await asyncio.gather(*holders):
+        assert seen.done and seen.finish == {0: "length"}, seen
+    await _settled(client)
+    assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+
+
+async def test_pool_spreads_requests(client: httpx.AsyncClient) -> None:
+    """With --engines 2 a burst of requests is served by both engines of the pool."""
+    before = [e["requests_finished"] for e in (await _settled(client))["engines"]]
+    bodies = [{"prompt": f"Spread {i}", "max_tokens": 16, "ignore_eos": True} for i in range(8)]
+    answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+    assert all(r.status_code == 200 for r in answers)
+    after = [e["requests_finished"] for e in (await _settled(client))["engines"]]
+    served = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(served) == 8 and all(n > 0 for n in served), served
 
 
 # -- load and disconnects ------------------------------------------------------------
@@ -442,7 +553,7 @@ async def test_load_with_disconnects(client: httpx.AsyncClient) -> None:
 
 
 async def test_dead_engine_is_503(client: httpx.AsyncClient, server: Server) -> None:
-    """Once the engine-core process dies, streams end with an error event; then 503s."""
+    """Once the engine-core processes die, streams end with an error event; then 503s."""
     cores = [
         p
         for p in psutil.Process(server.process.pid).children(recursive=True)
@@ -464,7 +575,11 @@ async def test_dead_engine_is_503(client: httpx.AsyncClient, server: Server) -> 
     assert error["type"] == "service_unavailable"
     assert "the engine died" in error["message"]
 
-    health = await client.get("/health")
+    # Each engine's watchdog sees its own engine-core process die, a moment apart.
+    deadline = time.monotonic() + 30.0
+    while (health := await client.get("/health")).status_code == 200:
+        assert time.monotonic() < deadline, "an engine still answers"
+        await asyncio.sleep(0.1)
     assert health.status_code == 503, health.text
     assert "the engine died" in health.json()["error"]["message"]
     r = await client.post("/v1/completions", json={"prompt": "anyone there?"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._api import AsyncEngineAPI
+from ._client import AsyncEngineClient
 from ._engine import AsyncEngine
 from ._errors import (
     AsyncKVError,
@@ -21,6 +22,7 @@ from ._stream import RequestStream
 __all__ = (
     "AsyncEngine",
     "AsyncEngineAPI",
+    "AsyncEngineClient",
     "AsyncEnginePool",
     "AsyncKVError",
     "EngineClosedError",

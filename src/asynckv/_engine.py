@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import anyio
 from vllm.sampling_params import SamplingParams
+from vllm.usage.usage_lib import UsageContext
 
 from . import _checks, _loops
+from ._asyncllm import AsyncLLMMethods, BuildRecord
 from ._commands import Abort, Add, Call, Hold, Pause, PauseMode, Release, Reply, Resume
 from ._errors import (
     EngineClosedError,
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from vllm import EngineArgs, LLMEngine
-    from vllm.lora.request import LoRARequest
+    from vllm.v1.metrics.loggers import StatLoggerFactory
 
     from ._vllm import EngineLike
 
@@ -54,7 +56,7 @@ _HOLDING: contextvars.ContextVar[frozenset[Hashable]] = contextvars.ContextVar(
 )
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncLLMMethods):
     """An async facade (asyncio or trio) over one ``vllm.LLMEngine``, stepped on its own thread.
 
     A dedicated worker thread owns the engine: it is the only thread that
@@ -78,24 +80,52 @@ class AsyncEngine:
     (measured: 0.25 s on CPU and 0.5 s on an H200 host in a burst of 1,024
     requests; docs/performance.md). Process-wide, like every ``gc`` setting:
     pass False to leave the collector alone.
+
+    It also has ``AsyncLLM``'s names and shapes for what the two share
+    (``get_tokenizer``, ``tokenizer``, ``add_request``, ``sleep``, LoRA, profiling,
+    the cache resets, ...), so code written for ``AsyncLLM`` runs on it; and
+    ``asynckv.AsyncEngineClient`` makes it vLLM's ``EngineClient``.
     """
 
     def __init__(self, llm_engine: EngineLike, *, freeze_gc: bool = True) -> None:
+        self._record = BuildRecord(llm_engine)
         self._worker = Worker(lambda: llm_engine, freeze_gc)
         self._closed = False
         self._worker.start(None)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, *, freeze_gc: bool = True) -> AsyncEngine:
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs,
+        start_engine_loop: bool = True,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+        stat_loggers: list[StatLoggerFactory] | None = None,
+        *,
+        freeze_gc: bool = True,
+    ) -> AsyncEngine:
         """Make an engine that ``start()`` will build from ``engine_args``.
 
-        Does no heavy work: nothing is loaded until ``start()``. ``freeze_gc``:
+        Does no heavy work: nothing is loaded until ``start()`` (``AsyncLLM``
+        builds in its constructor). ``usage_context`` and ``stat_loggers`` go
+        to ``LLMEngine.from_engine_args``; ``start_engine_loop`` is accepted for
+        ``AsyncLLM``'s signature and, as there, changes nothing. ``freeze_gc``:
         see the class.
         """
         from vllm import LLMEngine
 
+        build = functools.partial(
+            LLMEngine.from_engine_args,
+            engine_args,
+            usage_context=usage_context,
+            stat_loggers=stat_loggers,
+        )
+        return cls._unstarted(build, freeze_gc)
+
+    @classmethod
+    def _unstarted(cls, build: Callable[[], LLMEngine], freeze_gc: bool) -> AsyncEngine:
         self = cls.__new__(cls)
-        self._worker = Worker(functools.partial(LLMEngine.from_engine_args, engine_args), freeze_gc)
+        self._record = BuildRecord()
+        self._worker = Worker(self._record.wrap(build), freeze_gc)
         self._closed = False
         return self
 
@@ -136,12 +166,17 @@ class AsyncEngine:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._worker.close, timeout)
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Blocking ``aclose()``, for any thread; idempotent."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Blocking ``aclose()``, for any thread; idempotent.
+
+        ``timeout`` as in ``aclose()``; None (``AsyncLLM``'s default, which
+        waits without limit there) waits up to 30 seconds, so that a worker
+        stuck in a dead engine can't hang the caller.
+        """
         if self._closed:
             return
         self._closed = True
-        self._worker.close(timeout)
+        self._worker.close(30.0 if timeout is None else timeout)
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -208,11 +243,13 @@ class AsyncEngine:
         with contextlib.suppress(Exception):
             self._worker.inbox.put(Abort([request_id], None, why))
 
-    async def abort(self, request_id: str | Iterable[str]) -> None:
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests and return once they are out of the engine.
 
         Each stream ends with a final output whose unfinished completions have
         ``finish_reason == "abort"``. Unknown or finished ids are ignored.
+        ``internal`` is ``AsyncLLM``'s flag for ids that vLLM made itself; asynckv
+        hands out only the ids given to ``generate``, so both values abort them.
         """
         ids = _checks.request_ids(request_id)
         await self._ask(lambda reply: Abort(ids, reply))
@@ -351,48 +388,7 @@ class AsyncEngine:
         self._check_open()
         return self._worker.snapshot().admission_paused
 
-    # -- AsyncLLM's pass-throughs --------------------------------------------------
-
-    async def get_tokenizer(self) -> Any:
-        """The engine's tokenizer."""
-        return await self.run_on_engine(lambda e: e.get_tokenizer())
-
-    async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load a LoRA adapter into the engine."""
-        return bool(await self.run_on_engine(lambda e: e.add_lora(lora_request)))
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        """Remove a loaded LoRA adapter."""
-        return bool(await self.run_on_engine(lambda e: e.remove_lora(lora_id)))
-
-    async def list_loras(self) -> set[int]:
-        """The ids of the loaded LoRA adapters."""
-        return set(await self.run_on_engine(lambda e: e.list_loras()))
-
-    async def sleep(self, level: int = 1) -> None:
-        """Put the engine to sleep (free its memory) at ``level``."""
-        await self.run_on_engine(lambda e: e.sleep(level))
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake the engine up from ``sleep``."""
-        await self.run_on_engine(lambda e: e.wake_up(tags))
-
-    async def is_sleeping(self) -> bool:
-        """Whether the engine is asleep."""
-        return bool(await self.run_on_engine(lambda e: e.is_sleeping()))
-
-    async def collective_rpc(
-        self,
-        method: str | Callable[..., R],
-        timeout: float | None = None,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[R]:
-        """Run ``method`` on every model worker, as ``LLMEngine.collective_rpc``."""
-        result: list[R] = await self.run_on_engine(
-            lambda e: e.collective_rpc(method, timeout, args, kwargs)
-        )
-        return result
+    # -- health ----------------------------------------------------------------------
 
     async def check_health(self, stall_timeout: float | None = None) -> None:
         """Raise unless the engine is usable and, given ``stall_timeout``, making progress.

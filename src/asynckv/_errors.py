@@ -5,6 +5,8 @@ Runs on any thread: these are plain exception classes.
 
 from __future__ import annotations
 
+from vllm.v1.engine.exceptions import EngineDeadError as _VllmEngineDeadError
+
 __all__ = (
     "AsyncKVError",
     "EngineClosedError",
@@ -43,19 +45,24 @@ class EngineNotStartedError(AsyncKVError):
         )
 
 
-class EngineDeadError(AsyncKVError):
+class EngineDeadError(AsyncKVError, _VllmEngineDeadError):  # type: ignore[misc]  # vLLM: Any to mypy
     """Raised when the engine broke: ``step()`` raised or an engine process died.
 
     Every stream and command in flight at the death ends with it, and so does
     every later call. ``__cause__`` is the original exception, and the message
     names it, so the root cause is in the message itself.
+
+    It is also a ``vllm.v1.engine.exceptions.EngineDeadError``, so code that
+    catches vLLM's error (vLLM's own OpenAI server among it: a 500, then the
+    server stops) catches this one.
     """
 
     def __init__(self, cause: BaseException) -> None:
         detail = str(cause)
         name = type(cause).__name__
-        super().__init__(
-            f"the engine died: {name}: {detail}" if detail else f"the engine died: {name}"
+        # Not vLLM's __init__: it would put its fixed message before ours in args.
+        Exception.__init__(
+            self, f"the engine died: {name}: {detail}" if detail else f"the engine died: {name}"
         )
         self.__cause__ = cause
 

@@ -1,0 +1,20 @@
+"""``python -m asynckv.serve``: vLLM's own OpenAI-compatible server, on an asynckv engine.
+
+Takes every ``vllm serve`` flag (parsed by vLLM's own parser) and serves every
+``vllm serve`` endpoint, on an ``AsyncEngine`` instead of vLLM's ``AsyncLLM``::
+
+    python -m asynckv.serve --model PATH [any vllm serve flag] [--max-pending N]
+
+Without a model it serves asynckv's demo model (``asynckv.testing.demo_model``)
+as ``demo``, with a chat template, so ``/v1/chat/completions`` works offline.
+``--host`` defaults to 127.0.0.1. See docs/server.md.
+"""
+
+from __future__ import annotations
+
+from ._server import main
+
+__all__ = ("main",)
+
+if __name__ == "__main__":  # vLLM spawns engine processes: the guard is required
+    main()

