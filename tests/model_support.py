@@ -129,7 +129,7 @@ class CreditEngine(FakeEngine):
     # -- what the worker calls ----------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: object, params: SamplingParams, **_: object
+        self, request_id: str, prompt: object, params: SamplingParams, /, **_: object
     ) -> None:
         with self.cond:
             self.log.append(f"add {request_id}")

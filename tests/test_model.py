@@ -232,6 +232,11 @@ class EngineMachine(RuleBasedStateMachine):
         # Answered once the worker runs its loop, with its output hook in place.
         for i in (0, 1):
             self._noop(i)
+        # One core output with nothing in flight shows the worker that the hook works
+        # (before it has seen the hook fire, the worker steps without waiting for one).
+        self.fake.credit()
+        drained = self._run(0, lambda: self.engine.run_on_engine(_drain), "drain", False)
+        assert drained.value == 1, drained
 
     def _finish(self) -> None:
         """End this lifetime: close, then check that everything ended as the model says."""
