@@ -121,6 +121,7 @@ class Consumer:
     cancelled: bool = False
     stopped: bool = False  # StopAsyncIteration
     after_end: str = ""  # what a further anext gave after the end of an iteration
+    due: bool = False  # the model says it has ended (or will before the next rule)
     task: asyncio.Task[None] | None = None
 
 
@@ -365,6 +366,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         req.state, req.outcome, req.unread = "ended", "abort", True
         note(f"{req.rid}: aborted at {req.end_tokens} tokens")
+        self._feed(req)
         if drain and not self._running():
             self._drained(False)
 
@@ -418,6 +420,20 @@ class EngineMachine(RuleBasedStateMachine):
                 req.state = "running"
         self._limits()
 
+    def _feed(self, req: Req) -> None:
+        """The stream has new output, or its end: a consumer waiting on it takes it now.
+
+        (It does so before the next step or command: rules wait for both loops.)
+        """
+        consumer = req.consumer
+        if consumer is None or consumer.due:
+            return
+        if consumer.kind in ("await", "iterate"):
+            req.unread = False
+            consumer.due = req.state == "ended"
+        elif req.unread or req.state == "ended":
+            consumer.due, req.unread = True, False
+
     def _on_step(self, productive: bool) -> None:
         self.steps += 1
         if productive:
@@ -429,6 +445,7 @@ class EngineMachine(RuleBasedStateMachine):
                     req.state, req.outcome, req.unread = "ended", "length", True
                     req.end_tokens = req.tokens
                     self.finished += 1
+                self._feed(req)
         for hold in self.holds:
             if hold.state == "pending" and hold.at_step == self.steps:
                 hold.state, hold.expect_step = "active", self.steps
@@ -437,7 +454,7 @@ class EngineMachine(RuleBasedStateMachine):
         # is dropped at its first output: aborted at once.
         for req in self._running():
             consumer = req.consumer
-            if consumer is not None and consumer.kind == "inline_break" and req.unread:
+            if consumer is not None and consumer.kind == "inline_break" and consumer.due:
                 self._abort(req)
         if productive and not self._running():
             self._drained(False)
@@ -448,6 +465,7 @@ class EngineMachine(RuleBasedStateMachine):
             if req.state != "ended":
                 req.state, req.outcome, req.unread = "ended", outcome, True
                 req.cause, req.end_tokens = self.cause, req.tokens
+                self._feed(req)
         for hold in self.holds:
             if hold.state == "pending":
                 hold.expect_error = error
@@ -547,6 +565,7 @@ class EngineMachine(RuleBasedStateMachine):
             consumer.task = asyncio.create_task(_consume(consumer, stream))
 
         self.loops[req.loop].call(start, "starting a consumer")
+        self._feed(req)
 
     @precondition(lambda self: self._consumable())
     @rule(pick=PICK, how=st.sampled_from(CONSUMERS))
@@ -556,9 +575,7 @@ class EngineMachine(RuleBasedStateMachine):
         self._start_consumer(req, how)
 
     def _waiting_consumers(self) -> list[Req]:
-        return [
-            r for r in self.reqs.values() if r.consumer is not None and not self._due(r, r.consumer)
-        ]
+        return [r for r in self.reqs.values() if r.consumer is not None and not r.consumer.due]
 
     @precondition(lambda self: self._waiting_consumers())
     @rule(pick=PICK)
@@ -582,8 +599,6 @@ class EngineMachine(RuleBasedStateMachine):
             req.lossy = True
         for out in consumer.outputs:
             self._piece(req, out, awaited=False)
-        if consumer.outputs:
-            req.unread = False
         self._abort(req)
         self._limits()
 
@@ -1045,11 +1060,6 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- the invariant ---------------------------------------------------------------
 
-    def _due(self, req: Req, consumer: Consumer) -> bool:
-        if consumer.kind in ("await", "iterate"):
-            return req.state == "ended"
-        return req.unread or req.state == "ended"
-
     @invariant()
     def agrees_with_the_model(self) -> None:
         if self.phase == "none":
@@ -1117,7 +1127,7 @@ class EngineMachine(RuleBasedStateMachine):
             consumer = req.consumer
             if consumer is None:
                 continue
-            if self._due(req, consumer):
+            if consumer.due:
                 wait_event(consumer.done, f"{req.rid}: its {consumer.kind} task ending")
                 self._absorb(req, consumer)
             elif consumer.done.is_set():
@@ -1160,8 +1170,6 @@ class EngineMachine(RuleBasedStateMachine):
             self._piece(req, out, awaited=False)
         if consumer.result is not None:
             self._piece(req, consumer.result, awaited=True)
-        if consumer.outputs or consumer.result is not None:
-            req.unread = False
         if consumer.error is not None:
             self._ended_with(req, consumer.error, consumer.trace)
         elif consumer.stopped:
@@ -1182,7 +1190,7 @@ class EngineMachine(RuleBasedStateMachine):
         )
         if isinstance(error, EngineDeadError):
             assert req.cause in str(error), (str(error), req.cause)
-        req.consumed_end, req.unread = True, False
+        req.consumed_end = True
 
     def _piece(self, req: Req, out: RequestOutput, awaited: bool) -> None:
         """Check one output a consumer took against the model, and the end if it is final."""
