@@ -29,6 +29,7 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
+from hypothesis import HealthCheck, settings
 from pytest_asyncio.plugin import PytestAsyncioFunction
 
 from asynckv import AsyncEngine
@@ -41,6 +42,51 @@ from support import ON_GPU, engine_args, start_engine
 # imported here, at startup, it runs before any freeze. (The GPU machine may lack it.)
 with contextlib.suppress(ImportError):
     import hypothesis  # noqa: F401
+# -- hypothesis profiles for the model-based tests (tests/test_model*.py) --------
+#
+# "ci" (the default) is reproducible: derandomized, no example database, so a
+# run explores the same examples every time. "long" is a local soak run:
+# random, with the database, many more and longer examples. Select it with
+# HYPOTHESIS_PROFILE=long (docs/reliability.md). The "-engine" variants size
+# the machine over a real engine, whose steps are far slower.
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "ci",
+    max_examples=500,
+    stateful_step_count=30,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=_QUIET,
+)
+settings.register_profile(
+    "ci-engine",
+    max_examples=50,
+    stateful_step_count=15,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=_QUIET,
+)
+settings.register_profile(
+    "long",
+    max_examples=20_000,
+    stateful_step_count=80,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=_QUIET,
+)
+settings.register_profile(
+    "long-engine",
+    max_examples=1_000,
+    stateful_step_count=30,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=_QUIET,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,305 @@
+"""What the model-based tests stand on: a fake engine that steps on credit, and loop threads.
+
+``CreditEngine`` is the suite's ``FakeEngine`` made exact enough to model: it
+emulates vLLM's multiprocess mode, where ``step()`` returns the engine core's
+next output, which arrives on ``engine_core.outputs_queue``. The test puts one
+credit there per step it allows, from its own thread, as vLLM's output thread
+would; the worker sees it through its output hook. So steps happen exactly when
+the test says, and the worker, with no credit, sleeps on its inbox and serves
+commands. It honours ``output_kind`` and ``n`` as vLLM's output processor
+does, records how every request ended, and flags a step that the model says
+cannot happen (while a hold or a "keep" pause stops the stepping).
+
+``LoopThread`` is an event loop running forever on a thread of its own;
+``call`` runs a coroutine there and waits for it, bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import queue
+import subprocess
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, TypeVar
+
+from vllm import SamplingParams
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+
+from support import FakeEngine
+
+T = TypeVar("T")
+
+# How long any call may take before it counts as a hang.
+BOUND = float(os.environ.get("ASYNCKV_MODEL_BOUND", "10"))
+
+CREDIT = "credit"
+"""What the test puts on the fake core's output queue to allow one step."""
+
+
+class Hang(AssertionError):
+    """Raised when a call the model says must complete did not within ``BOUND``."""
+
+
+class FakeCoreProcess:
+    """A stand-in for vLLM's engine-core process that the worker's watchdog can watch.
+
+    A real child (``sleep``), wrapped in the part of ``multiprocessing.Process``
+    the watchdog and ``close`` use; ``sentinel`` is a pidfd, readable once the
+    child has exited. ``kill()`` is an engine-process death.
+    """
+
+    def __init__(self) -> None:
+        self._popen = subprocess.Popen(["sleep", "3600"])
+        self.pid = self._popen.pid
+        self.name = "FakeEngineCore"
+        self.sentinel = os.pidfd_open(self.pid)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+    def dispose(self) -> None:
+        """Kill the child if it still runs, reap it, close the pidfd."""
+        self.kill()
+        self.join(BOUND)
+        with contextlib.suppress(OSError):
+            os.close(self.sentinel)
+
+
+@dataclass(eq=False)
+class _Request:
+    kind: RequestOutputKind
+    n: int
+    limit: int
+
+
+class CreditEngine(FakeEngine):
+    """A fake ``LLMEngine`` that steps once per credit; see the module docstring.
+
+    Written by the worker thread (inside its calls) and the test thread
+    (``forbidden``, ``ceiling``, credits); ``cond`` guards what both read.
+    """
+
+    def __init__(self, process: FakeCoreProcess | None = None) -> None:
+        super().__init__()
+        self.cond = threading.Condition()
+        self.outputs_queue: queue.Queue[object] = queue.Queue()
+        manager = SimpleNamespace(processes=[] if process is None else [process])
+        self.engine_core = SimpleNamespace(
+            shutdown=self._shutdown,
+            outputs_queue=self.outputs_queue,
+            resources=SimpleNamespace(engine_manager=manager),
+        )
+        self.requests: dict[str, _Request] = {}
+        self.ended: dict[str, tuple[str, int]] = {}
+        """How each request left: ("length" | "abort", tokens it had)."""
+        self.steps = 0
+        """Calls of step() that returned."""
+        self.productive = 0
+        """Steps that took a credit and made a token for each request."""
+        self.idle = 0
+        """Steps called with no credit waiting (they return no output)."""
+        self.resets = 0
+        self.applied: list[tuple[int, int]] = []
+        """(loop, seq) of the test's run_on_engine calls, in the order the worker ran them."""
+        self.violations: list[str] = []
+        self.forbidden: str | None = None
+        """Why, as the model says, no step may start now (None: steps may start)."""
+        self.ceiling: int | None = None
+        """The highest step number that may run (a hold at that step is due)."""
+
+    # -- what the worker calls ----------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: object, params: SamplingParams, /, **_: object
+    ) -> None:
+        with self.cond:
+            self.log.append(f"add {request_id}")
+            self.tokens[request_id] = []
+            self.limits[request_id] = params.max_tokens or 16
+            self.requests[request_id] = _Request(
+                params.output_kind, params.n, self.limits[request_id]
+            )
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        with self.cond:
+            for rid in request_ids:
+                self.log.append(f"abort {rid}")
+                tokens = self.tokens.pop(rid, None)
+                if tokens is not None:
+                    self.ended[rid] = ("abort", len(tokens))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, *_: object) -> bool:
+        with self.cond:
+            self.resets += 1
+            self.log.append("reset")
+            return reset_running_requests or not self.tokens
+
+    def step(self) -> list[RequestOutput]:
+        self.step_entered.set()
+        try:
+            item = self.outputs_queue.get_nowait()
+        except queue.Empty:
+            item = None
+        if isinstance(item, BaseException):
+            raise item  # what vLLM's get_output does with the dead core's error
+        with self.cond:
+            number = self.steps + 1
+            if self.forbidden is not None:
+                self.violations.append(f"step {number} ran while {self.forbidden}")
+            if self.ceiling is not None and number > self.ceiling:
+                self.violations.append(f"step {number} ran past a hold due at {self.ceiling}")
+            if self.fail_with is not None:
+                raise self.fail_with
+            try:
+                if item is None:
+                    self.idle += 1
+                    return []
+                self.productive += 1
+                return self._outputs()
+            finally:
+                self.steps += 1
+                self.cond.notify_all()
+
+    def _outputs(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for rid, tokens in list(self.tokens.items()):
+            request = self.requests[rid]
+            tokens.append(len(tokens))
+            done = len(tokens) >= request.limit
+            if done:
+                del self.tokens[rid]
+                self.ended[rid] = ("length", len(tokens))
+            outputs += _request_outputs(rid, request, tokens, done)
+        return outputs
+
+    # -- what the test calls -------------------------------------------------------
+
+    def credit(self) -> None:
+        """Allow one step (any thread): the core's next output has arrived."""
+        self.outputs_queue.put_nowait(CREDIT)
+
+    def drain(self) -> int:
+        """Take back the credits not used (call between two steps); return how many."""
+        count = 0
+        while True:
+            try:
+                self.outputs_queue.get_nowait()
+            except queue.Empty:
+                return count
+            count += 1
+
+    def unfinished(self) -> dict[str, int]:
+        """The requests the engine holds, with their token counts."""
+        with self.cond:
+            return {rid: len(tokens) for rid, tokens in self.tokens.items()}
+
+
+def _request_outputs(
+    rid: str, request: _Request, tokens: list[int], done: bool
+) -> list[RequestOutput]:
+    """The outputs vLLM's output processor makes for one request after one step.
+
+    Streaming kinds with ``n > 1`` give one output per child (finished only on
+    the last); FINAL_ONLY gives one output with all ``n`` completions, at the end.
+    """
+    if request.kind is RequestOutputKind.FINAL_ONLY and not done:
+        return []
+    reason = "length" if done else None
+
+    def completion(index: int) -> CompletionOutput:
+        ids = tokens[-1:] if request.kind is RequestOutputKind.DELTA else list(tokens)
+        return CompletionOutput(index, "", ids, None, None, finish_reason=reason)
+
+    def output(completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=rid,
+            prompt=None,
+            prompt_token_ids=[1],
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=finished,
+        )
+
+    if request.kind is RequestOutputKind.FINAL_ONLY or request.n == 1:
+        return [output([completion(i) for i in range(request.n)], done)]
+    return [output([completion(i)], done and i == request.n - 1) for i in range(request.n)]
+
+
+class LoopThread:
+    """An event loop running forever on a daemon thread of its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` as a task on the loop (any thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, fn: Callable[[], Coroutine[Any, Any, T]], what: str, bound: float = BOUND) -> T:
+        """Run ``fn()`` on the loop and return its result; ``Hang`` past ``bound`` seconds."""
+        return wait(self.submit(fn()), what, bound)
+
+    def stop(self) -> bool:
+        """Cancel what still runs there, stop the loop, close it; False if it would not stop."""
+
+        async def cancel_rest() -> int:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=BOUND)
+            await self.loop.shutdown_default_executor()
+            return len(tasks)
+
+        try:
+            self.call(cancel_rest, f"stopping {self.name}")
+        except Hang:
+            return False
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(BOUND)
+        if self._thread.is_alive():
+            return False
+        self.loop.close()
+        return True
+
+
+def wait(future: concurrent.futures.Future[T], what: str, bound: float = BOUND) -> T:
+    """The result of ``future``; ``Hang`` if it takes longer than ``bound`` seconds."""
+    try:
+        return future.result(bound)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise Hang(f"hang: {what} did not complete within {bound} s") from None
+
+
+def wait_event(event: threading.Event, what: str, bound: float = BOUND) -> None:
+    """Wait for ``event``; ``Hang`` if it is not set within ``bound`` seconds."""
+    if not event.wait(bound):
+        raise Hang(f"hang: {what} did not happen within {bound} s")

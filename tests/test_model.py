@@ -1,0 +1,1353 @@
+"""The engine against a model: random interleavings from two event loops on two threads.
+
+A hypothesis ``RuleBasedStateMachine`` drives ``AsyncEngine(CreditEngine())``
+(tests/model_support.py: a fake engine that steps once per credit the test
+gives) through its public API from two event loops, each running on a thread
+of its own, and keeps a model of what the engine must then hold. Rules:
+generate (n 1 and 2, DELTA, CUMULATIVE, FINAL_ONLY, short and endless), the
+ways of consuming and leaving a stream (await, iterate, ``anext``, break,
+``aclose``, drop, cancel), abort of known and unknown ids, holds
+(``paused(at_step=...)``, held by a task and released by a later rule, with
+commands issued from inside the block), ``pause_generation`` in every mode and
+``resume_generation``, resets and ``run_on_engine`` in bursts, engine steps,
+and the three ends: a step that raises, an engine-core death (a utility call
+raising vLLM's ``EngineDeadError``, or the fake core process killed under the
+watchdog), and ``aclose()``. After an end the machine checks the engine's
+post-mortem answers and starts a fresh engine (``restart``), so one run may
+cover several lifetimes.
+
+After every rule it checks that the engine agrees with the model: the
+requests the engine holds (asked between two steps), ``stats()`` and
+``is_paused()``, that every consumer, hold and pending pause has completed if
+and only if the model says it can, with the outcome the model predicts (each
+stream ends once, with a final output consistent with the tokens the fake
+produced, or with the documented error), that each loop's commands were
+answered and applied in the order it issued them, and that no step ran while
+the model says none could. Every wait is bounded (``ASYNCKV_MODEL_BOUND``,
+10 s): a call that takes longer is a hang, and fails.
+
+``ASYNCKV_MODEL_AVOID`` (comma-separated, for exploring past a known bug;
+empty in CI) keeps the machine from generating some inputs: ``anext``
+(``anext(stream)``, ``anext(aiter(stream))`` and break-and-keep),
+``held_wait`` (a "wait" pause that the model says must fail with
+``EngineHeldError``, and ``paused(at_step=k)`` from inside the caller's own
+block), ``n2delta`` (n=2 with DELTA).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import os
+import threading
+import traceback
+import weakref
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pytest
+from hypothesis import note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from vllm import SamplingParams
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+from asynckv import (
+    AsyncEngine,
+    EngineClosedError,
+    EngineDeadError,
+    EngineHeldError,
+    RequestStream,
+)
+from model_support import (
+    BOUND,
+    CreditEngine,
+    FakeCoreProcess,
+    Hang,
+    LoopThread,
+    wait,
+    wait_event,
+)
+
+AVOID = frozenset(filter(None, os.environ.get("ASYNCKV_MODEL_AVOID", "").split(",")))
+LONG = 10**6  # tokens: a request that never finishes by itself
+KINDS = {
+    "delta": RequestOutputKind.DELTA,
+    "cumulative": RequestOutputKind.CUMULATIVE,
+    "final": RequestOutputKind.FINAL_ONLY,
+}
+LOOP = st.integers(0, 1)
+MIN_AGE = 12  # rules in a lifetime before it may end
+MAX_HOLDS = 2  # holds at once (active or pending): more would stop the stepping for good
+PICK = st.integers(0, 7)
+ConsumerKind = Literal["await", "iterate", "anext", "anext_aiter", "break_keep", "inline_break"]
+CONSUMERS: list[ConsumerKind] = ["await", "iterate"]
+if "anext" not in AVOID:
+    CONSUMERS += ["anext", "anext_aiter", "break_keep"]
+
+
+@dataclass(eq=False)
+class Result:
+    """What a call returned or raised."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Consumer:
+    """A task on a stream's loop that awaits, iterates or ``anext``s it.
+
+    Written by its task on the loop; read by the test thread once ``done`` is set.
+    """
+
+    kind: ConsumerKind
+    done: threading.Event = field(default_factory=threading.Event)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    result: RequestOutput | None = None
+    error: BaseException | None = None
+    trace: str = ""
+    cancelled: bool = False
+    stopped: bool = False  # StopAsyncIteration
+    after_end: str = ""  # what a further anext gave after the end of an iteration
+    due: bool = False  # the model says it has ended (or will before the next rule)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False)
+class Req:
+    """A request as the model sees it."""
+
+    rid: str
+    loop: int
+    n: int
+    kind: RequestOutputKind
+    max_tokens: int
+    state: Literal["parked", "running", "ended"]
+    tokens: int = 0
+    outcome: str = ""  # once ended: length, abort, dead or closed
+    end_tokens: int = 0
+    cause: str = ""  # for dead: text the error's message must contain
+    stream: RequestStream | None = None  # the model's reference, if it holds one
+    consumer: Consumer | None = None
+    unread: bool = False  # the stream holds output (or its end) nobody has taken
+    consumed_end: bool = False  # a consumer took the final output or the error
+    closed: bool = False  # aclose()d or dropped: no more consuming
+    lossy: bool = False  # a cancelled await took DELTA pieces that are lost
+    delta: dict[int, list[int]] = field(default_factory=dict)
+    cumulative: dict[int, int] = field(default_factory=dict)
+    reasons: dict[int, str | None] = field(default_factory=dict)
+    final: RequestOutput | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.kind is not RequestOutputKind.FINAL_ONLY
+
+
+@dataclass(eq=False)
+class HoldRec:
+    """A task holding ``engine.paused(at_step)`` until released; it runs ops in its block."""
+
+    hid: int
+    loop: int
+    at_step: int | None
+    state: Literal["pending", "active"]
+    expect_step: int | None = None
+    expect_error: type[BaseException] | None = None
+    entered: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    entered_step: int | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    ops: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False)
+class WaitRec:
+    """A ``pause_generation(mode="wait")`` that the model says must wait."""
+
+    loop: int
+    clear: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Result | None = None
+    due: bool = False
+    expect_error: type[BaseException] | None = None
+    task: asyncio.Task[None] | None = None
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loops = [LoopThread("model-loop-0"), LoopThread("model-loop-1")]
+        self.processes: list[FakeCoreProcess] = []
+        self.phase: Literal["none", "alive", "dead", "closed"] = "none"
+        self.ids = 0
+        self.lifetimes = 0
+        # Per loop: sequence numbers of answered commands, appended on that loop.
+        self.issued = [0, 0]
+        self.answers: list[list[int]] = [[], []]
+
+    # -- lifetimes -----------------------------------------------------------------
+
+    @initialize(process=st.booleans())
+    def start(self, process: bool) -> None:
+        self._start(process)
+
+    def _start(self, process: bool) -> None:
+        proc = FakeCoreProcess() if process else None
+        if proc is not None:
+            self.processes.append(proc)
+        self.process = proc
+        self.fake = CreditEngine(proc)
+        self.engine = AsyncEngine(self.fake, freeze_gc=False)
+        self.lifetimes += 1
+        note(f"-- engine {self.lifetimes} (core process: {process})")
+        self.phase = "alive"
+        self.age = 0
+        self.cause = ""
+        self.paused = False
+        self.frozen = False
+        self.reqs: dict[str, Req] = {}
+        self.holds: list[HoldRec] = []
+        self.waits: list[WaitRec] = []
+        self.steps = 0
+        self.finished = 0
+        self.aborted = 0
+        self.parked_aborts = 0
+        self.resets = (0, 0)
+        self.applied_seen = 0
+        # Answered once the worker runs its loop, with its output hook in place.
+        for i in (0, 1):
+            self._noop(i)
+        # One core output with nothing in flight shows the worker that the hook works
+        # (before it has seen the hook fire, the worker steps without waiting for one).
+        self.fake.credit()
+        drained = self._run(0, lambda: self.engine.run_on_engine(_drain), "drain", False)
+        assert drained.value == 1, drained
+
+    def _finish(self) -> None:
+        """End this lifetime: close, then check that everything ended as the model says."""
+        if self.phase == "alive":
+            self._run(0, lambda: self.engine.aclose(), "aclose", record=False)
+            self._closed()
+        elif self.phase == "dead":
+            self._run(0, lambda: self.engine.aclose(), "aclose after death", record=False)
+        self._settle()
+        for hold in [h for h in self.holds if h.state == "active"]:
+            self._release(hold)
+        for req in self.reqs.values():
+            if req.stream is not None and not req.consumed_end and not req.closed:
+                self._start_consumer(req, "await")
+        self._settle()
+        wait_event(self.fake.shut_down, "the engine core's shutdown")
+        assert not self.fake.violations, self.fake.violations
+        for req in self.reqs.values():
+            req.stream = None
+
+    def teardown(self) -> None:
+        try:
+            if self.phase != "none":
+                self._finish()
+        finally:
+            stopped = [loop.stop() for loop in self.loops]
+            for proc in self.processes:
+                proc.dispose()
+        assert all(stopped), "an event loop could not be stopped"
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _rid(self) -> str:
+        self.ids += 1
+        return f"r{self.ids}"
+
+    def _run(
+        self,
+        loop: int,
+        factory: Callable[[], Coroutine[Any, Any, Any]],
+        what: str,
+        record: bool = True,
+    ) -> Result:
+        """Run a call on ``loop``, bounded; record its answer in that loop's order."""
+        seq = self.issued[loop]
+        self.issued[loop] += 1
+        answers = self.answers[loop]
+
+        async def go() -> Result:
+            try:
+                return Result(value=await factory())
+            except Exception as exc:
+                return Result(error=exc)
+            finally:
+                if record:
+                    answers.append(seq)
+
+        return self.loops[loop].call(go, f"{what} on loop {loop}")
+
+    def _noop(self, loop: int) -> None:
+        result = self._run(loop, lambda: self.engine.run_on_engine(_noop), "barrier", False)
+        assert result.error is None, result.error
+
+    def _gone(self) -> type[BaseException]:
+        return EngineDeadError if self.phase == "dead" else EngineClosedError
+
+    def _expect(self, result: Result, what: str, error: type[BaseException] | None) -> None:
+        if error is None:
+            assert result.error is None, f"{what} raised {result.error!r}"
+        else:
+            assert isinstance(result.error, error), (
+                f"{what}: expected {error.__name__}, got {result.error!r} / {result.value!r}"
+            )
+            if isinstance(result.error, EngineDeadError):
+                assert self.cause in str(result.error), (result.error, self.cause)
+
+    def _running(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.state == "running"]
+
+    def _active(self) -> list[HoldRec]:
+        return [h for h in self.holds if h.state == "active"]
+
+    def _can_step(self) -> bool:
+        return bool(self._running()) and not self.frozen and not self._active()
+
+    def _limits(self) -> None:
+        """Tell the fake which steps the model says cannot run now."""
+        if self._active():
+            self.fake.forbidden = "a paused() block holds the engine"
+        elif self.frozen:
+            self.fake.forbidden = 'a "keep" pause freezes the requests'
+        else:
+            self.fake.forbidden = None
+        pending = [h.at_step for h in self.holds if h.state == "pending"]
+        self.fake.ceiling = min(s for s in pending if s is not None) if pending else None
+
+    def _new(self, loop: int, n: int, kind: str, tokens: int) -> Req:
+        if "n2delta" in AVOID and kind == "delta":
+            n = 1
+        req = Req(
+            self._rid(),
+            loop,
+            n,
+            KINDS[kind],
+            tokens,
+            "parked" if self.paused else "running",
+        )
+        self.reqs[req.rid] = req
+        note(f"{req.rid}: n={n} {kind} max_tokens={tokens} on loop {loop} ({req.state})")
+        return req
+
+    def _params(self, req: Req) -> SamplingParams:
+        return SamplingParams(n=req.n, max_tokens=req.max_tokens, output_kind=req.kind)
+
+    # -- model transitions -----------------------------------------------------------
+
+    def _abort(self, req: Req, drain: bool = True) -> None:
+        if req.state == "running":
+            req.end_tokens = req.tokens
+            self.finished += 1
+            self.aborted += 1
+        elif req.state == "parked":
+            req.end_tokens = 0
+            self.parked_aborts += 1
+        else:
+            return
+        req.state, req.outcome, req.unread = "ended", "abort", True
+        note(f"{req.rid}: aborted at {req.end_tokens} tokens")
+        self._feed(req)
+        if drain and not self._running():
+            self._drained(False)
+
+    def _drained(self, clearing: bool) -> None:
+        """Nothing is in flight: every pending "wait" pause returns (and may reset).
+
+        ``clearing``: the command that drained the engine resets the cache too.
+        Resets asked for at one boundary may be merged into one.
+        """
+        pending = [w for w in self.waits if not w.due]
+        if not pending and not clearing:
+            return
+        clears = sum(w.clear for w in pending) + clearing
+        lo, hi = self.resets
+        self.resets = (lo + (clears > 0), hi + clears)
+        for w in pending:
+            w.due = True
+
+    def _pause(self, mode: str, clear: bool, own: bool) -> Literal["ok", "held", "pending"]:
+        running = self._running()
+        if mode == "abort":
+            self.paused, self.frozen = True, False
+            for req in running:
+                self._abort(req, drain=False)
+            self._drained(clear)
+        elif mode == "wait":
+            if running and (self.frozen or own):
+                return "held"
+            self.paused = True
+            if running:
+                return "pending"
+            self._drained(clear)
+        else:
+            self.paused, self.frozen = True, True
+            lo, hi = self.resets
+            self.resets = (lo + clear, hi + clear)
+        self._limits()
+        return "ok"
+
+    def _resume(self) -> None:
+        if not self.paused:
+            return
+        self.paused, self.frozen = False, False
+        lo, hi = self.resets
+        pending = [w for w in self.waits if not w.due]
+        self.resets = (lo, hi + sum(w.clear for w in pending))
+        for w in pending:
+            w.due = True
+        for req in self.reqs.values():
+            if req.state == "parked":
+                req.state = "running"
+        self._limits()
+
+    def _feed(self, req: Req) -> None:
+        """The stream has new output, or its end: a consumer waiting on it takes it now.
+
+        (It does so before the next step or command: rules wait for both loops.)
+        """
+        consumer = req.consumer
+        if consumer is None or consumer.due:
+            return
+        if consumer.kind in ("await", "iterate"):
+            req.unread = False
+            consumer.due = req.state == "ended"
+        elif req.unread or req.state == "ended":
+            consumer.due, req.unread = True, False
+
+    def _on_step(self, productive: bool) -> None:
+        self.steps += 1
+        if productive:
+            for req in self._running():
+                req.tokens += 1
+                if req.streaming:
+                    req.unread = True
+                if req.tokens >= req.max_tokens:
+                    req.state, req.outcome, req.unread = "ended", "length", True
+                    req.end_tokens = req.tokens
+                    self.finished += 1
+                self._feed(req)
+        for hold in self.holds:
+            if hold.state == "pending" and hold.at_step == self.steps:
+                hold.state, hold.expect_step = "active", self.steps
+                note(f"hold {hold.hid}: entered after step {self.steps}")
+        # A stream iterated by `async for out in engine.generate(...): break`
+        # is dropped at its first output: aborted at once.
+        for req in self._running():
+            consumer = req.consumer
+            if consumer is not None and consumer.kind == "inline_break" and consumer.due:
+                self._abort(req)
+        if productive and not self._running():
+            self._drained(False)
+        self._limits()
+
+    def _end_all(self, outcome: str, error: type[BaseException]) -> None:
+        for req in self.reqs.values():
+            if req.state != "ended":
+                req.state, req.outcome, req.unread = "ended", outcome, True
+                req.cause, req.end_tokens = self.cause, req.tokens
+                self._feed(req)
+        for hold in self.holds:
+            if hold.state == "pending":
+                hold.expect_error = error
+        for w in self.waits:
+            if not w.due:
+                w.due, w.expect_error = True, error
+        self.fake.forbidden, self.fake.ceiling = None, None
+
+    def _die(self, cause: str) -> None:
+        note(f"-- engine {self.lifetimes} dies: {cause}")
+        self.phase, self.cause = "dead", cause
+        self._end_all("dead", EngineDeadError)
+
+    def _closed(self) -> None:
+        note(f"-- engine {self.lifetimes} closed")
+        self.phase = "closed"
+        self._end_all("closed", EngineClosedError)
+
+    # -- requests --------------------------------------------------------------------
+
+    @precondition(lambda self: self.phase == "alive")
+    @rule(
+        loop=LOOP,
+        n=st.sampled_from([1, 2]),
+        kind=st.sampled_from(sorted(KINDS)),
+        tokens=st.sampled_from([1, 2, 3, LONG]),
+        inline=st.sampled_from([False, False, True]),
+        more=st.integers(0, 2),
+    )
+    def add_request(
+        self, loop: int, n: int, kind: str, tokens: int, inline: bool, more: int
+    ) -> None:
+        """``generate()``; ``inline``: ``async for out in engine.generate(...): break``.
+
+        ``more``: as many other requests (CUMULATIVE, short) after it, at once.
+        """
+        self._generate(loop, n, kind, tokens, inline)
+        if more:
+            reqs = [self._new(loop, 1, "cumulative", 1 + i) for i in range(more)]
+            engine = self.engine
+
+            async def go() -> None:
+                for req in reqs:
+                    req.stream = engine.generate("prompt", self._params(req), request_id=req.rid)
+
+            self._expect(self._run(loop, go, "generate", record=False), "generate", None)
+
+    def _generate(self, loop: int, n: int, kind: str, tokens: int, inline: bool) -> None:
+        req = self._new(loop, n, kind, tokens)
+        params = self._params(req)
+        engine = self.engine
+        if not inline:
+
+            async def go() -> None:
+                # Kept here, not returned: a finished task keeps its result alive a while.
+                req.stream = engine.generate("prompt", params, request_id=req.rid)
+
+            self._expect(self._run(loop, go, "generate", record=False), "generate", None)
+            return
+        # The stream is dropped at its first output: aborted at once.
+        note(f"{req.rid}: async for out in engine.generate(...): break")
+        consumer = req.consumer = Consumer("inline_break")
+
+        async def body() -> None:
+            try:
+                async for out in engine.generate("prompt", params, request_id=req.rid):
+                    consumer.outputs.append(out)
+                    break
+            except asyncio.CancelledError:
+                consumer.cancelled = True
+            except Exception as exc:
+                _keep_error(consumer, exc)
+            finally:
+                consumer.done.set()
+
+        async def start() -> None:
+            consumer.task = asyncio.create_task(body())
+
+        self.loops[loop].call(start, "starting a consumer")
+
+    def _consumable(self) -> list[Req]:
+        return [
+            r
+            for r in self.reqs.values()
+            if r.stream is not None and r.consumer is None and not r.closed and not r.consumed_end
+        ]
+
+    def _pick(self, items: list[Any], pick: int) -> Any:
+        return items[pick % len(items)]
+
+    def _start_consumer(self, req: Req, kind: ConsumerKind) -> None:
+        consumer = req.consumer = Consumer(kind)
+        stream = req.stream
+        assert stream is not None
+
+        async def start() -> None:
+            consumer.task = asyncio.create_task(_consume(consumer, stream))
+
+        self.loops[req.loop].call(start, "starting a consumer")
+        self._feed(req)
+
+    @precondition(lambda self: self._consumable())
+    @rule(pick=PICK, how=st.sampled_from(CONSUMERS))
+    def consume(self, pick: int, how: ConsumerKind) -> None:
+        req = self._pick(self._consumable(), pick)
+        note(f"{req.rid}: {how}")
+        self._start_consumer(req, how)
+
+    def _waiting_consumers(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.consumer is not None and not r.consumer.due]
+
+    @precondition(lambda self: self._waiting_consumers())
+    @rule(pick=PICK)
+    def cancel(self, pick: int) -> None:
+        """Cancel the task that awaits, iterates or ``anext``s a stream."""
+        req = self._pick(self._waiting_consumers(), pick)
+        consumer = req.consumer
+        assert consumer is not None and consumer.task is not None
+        note(f"{req.rid}: cancel its {consumer.kind} task")
+        task = consumer.task
+
+        async def go() -> None:
+            task.cancel()
+            await asyncio.wait([task], timeout=BOUND)
+
+        self.loops[req.loop].call(go, "cancelling a consumer")
+        wait_event(consumer.done, f"{req.rid}: the cancelled {consumer.kind} task ending")
+        assert consumer.cancelled, f"{req.rid}: cancelled, the task ended with {consumer.error!r}"
+        req.consumer, consumer.task = None, None
+        if consumer.kind == "await" and req.kind is RequestOutputKind.DELTA:
+            req.lossy = True
+        for out in consumer.outputs:
+            self._piece(req, out, awaited=False)
+        self._abort(req)
+        self._limits()
+
+    def _closable(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.stream is not None and r.consumer is None]
+
+    @precondition(lambda self: self._closable())
+    @rule(pick=PICK)
+    def stream_aclose(self, pick: int) -> None:
+        """``await stream.aclose()``: aborts an unfinished request, returns once it ended."""
+        req = self._pick(self._closable(), pick)
+        note(f"{req.rid}: aclose()")
+        stream = req.stream
+        assert stream is not None
+        result = self._run(req.loop, stream.aclose, "stream.aclose()", record=False)
+        del stream
+        self._expect(result, "stream.aclose()", None)
+        self._abort(req)
+        req.closed, req.consumed_end, req.unread = True, True, False
+
+    @precondition(lambda self: self._closable())
+    @rule(pick=PICK)
+    def drop(self, pick: int) -> None:
+        """Delete the last reference to a stream: an unfinished request is aborted."""
+        req = self._pick(self._closable(), pick)
+        note(f"{req.rid}: drop the stream")
+        assert req.stream is not None
+        ref = weakref.ref(req.stream)
+        req.stream = None
+        if req.state != "ended":
+            # Only the stream of a live request must be gone (an ended one may live on in
+            # the traceback of the error it raised, which other streams share).
+            assert ref() is None, f"test bug: {req.rid}'s stream is held by {_holders(ref())}"
+        self._abort(req)
+        req.closed = True
+
+    @precondition(lambda self: self.phase == "alive" and self.reqs)
+    @rule(loop=LOOP, picks=st.lists(PICK, max_size=3), unknown=st.booleans())
+    def request_abort(self, loop: int, picks: list[int], unknown: bool) -> None:
+        """``abort()`` of known ids (live, parked or ended) and unknown ones."""
+        known = list(self.reqs.values())
+        ids = [self._pick(known, p).rid for p in picks] if known else []
+        if unknown or not ids:
+            ids.append(f"unknown-{self.ids}")
+        note(f"abort({ids}) on loop {loop}")
+        arg: str | list[str] = ids[0] if len(ids) == 1 else ids
+        result = self._run(loop, lambda: self.engine.abort(arg), "abort")
+        self._expect(result, "abort", None)
+        for rid in ids:
+            if rid in self.reqs:
+                self._abort(self.reqs[rid])
+        self._limits()
+
+    # -- commands between steps -----------------------------------------------------
+
+    @precondition(lambda self: self.phase == "alive")
+    @rule(
+        loop=LOOP,
+        ops=st.lists(
+            st.sampled_from(["call", "raise", "unknown", "abort", "reset"]), min_size=1, max_size=5
+        ),
+        both=st.booleans(),
+        pick=PICK,
+    )
+    def burst(self, loop: int, ops: list[str], both: bool, pick: int) -> None:
+        """Commands issued at once from one loop (or both): answered and applied in order."""
+        if both:
+            ops = [op for op in ops if op in ("call", "raise", "unknown")] or ["call"]
+        plans: dict[int, list[tuple[str, int, str | None]]] = {}
+        for i in (0, 1) if both else (loop,):
+            plan = []
+            for op in ops:
+                seq = self.issued[i]
+                self.issued[i] += 1
+                target = None
+                if op == "abort":
+                    live = [r for r in self.reqs.values() if r.state != "ended"]
+                    target = self._pick(live, pick).rid if live else None
+                plan.append((op, seq, target))
+            plans[i] = plan
+        note(f"burst {plans}")
+        futures = {i: self.loops[i].submit(self._burst(i, plan)) for i, plan in plans.items()}
+        results = {i: wait(f, f"a burst on loop {i}") for i, f in futures.items()}
+        for i, plan in plans.items():
+            for (op, seq, target), result in zip(plan, results[i], strict=True):
+                what = f"{op} #{seq} on loop {i}"
+                if op == "call":
+                    self._expect(result, what, None)
+                    assert result.value == seq, (what, result.value)
+                elif op == "raise":
+                    assert isinstance(result.error, ValueError), (what, result)
+                    assert str(result.error) == f"raised by #{seq}", (what, result.error)
+                elif op == "reset":
+                    self._expect(result, what, None)
+                    assert result.value is (not self._running()), (what, result.value)
+                    lo, hi = self.resets
+                    self.resets = (lo + 1, hi + 1)
+                else:
+                    self._expect(result, what, None)
+                    if target is not None:
+                        self._abort(self.reqs[target])
+        self._limits()
+
+    async def _burst(self, loop: int, plan: list[tuple[str, int, str | None]]) -> list[Result]:
+        answers = self.answers[loop]
+        applied = self.fake.applied
+
+        async def one(op: str, seq: int, target: str | None) -> Result:
+            def record(_: object) -> int:
+                applied.append((loop, seq))
+                return seq
+
+            def fail(_: object) -> None:
+                applied.append((loop, seq))
+                raise ValueError(f"raised by #{seq}")
+
+            try:
+                if op == "call":
+                    return Result(await self.engine.run_on_engine(record))
+                if op == "raise":
+                    return Result(await self.engine.run_on_engine(fail))
+                if op == "reset":
+                    return Result(await self.engine.reset_prefix_cache())
+                await self.engine.abort(target or f"unknown-{seq}")
+                return Result()
+            except Exception as exc:
+                return Result(error=exc)
+            finally:
+                answers.append(seq)
+
+        # Tasks start in creation order, so the commands reach the inbox in plan order.
+        tasks = [asyncio.create_task(one(*step)) for step in plan]
+        return list(await asyncio.gather(*tasks))
+
+    @precondition(lambda self: self.phase == "alive")
+    @rule(loop=LOOP, mode=st.sampled_from(["abort", "wait", "keep"]), clear=st.booleans())
+    def pause(self, loop: int, mode: str, clear: bool) -> None:
+        if mode == "wait" and "held_wait" in AVOID and self._running() and self.frozen:
+            mode = "abort"
+        note(f"pause_generation(mode={mode!r}, clear_cache={clear}) on loop {loop}")
+        expected = self._pause(mode, clear, own=False)
+        if expected == "pending":
+            self._pending_wait(loop, clear)
+            return
+        result = self._run(
+            loop,
+            lambda: self.engine.pause_generation(mode=mode, clear_cache=clear),  # type: ignore[arg-type]
+            "pause_generation",
+        )
+        self._expect(
+            result, f"pause_generation({mode})", EngineHeldError if expected == "held" else None
+        )
+
+    def _pending_wait(self, loop: int, clear: bool) -> None:
+        record = WaitRec(loop, clear)
+        self.waits.append(record)
+        engine = self.engine
+
+        async def body() -> None:
+            try:
+                await engine.pause_generation(mode="wait", clear_cache=clear)
+                record.result = Result()
+            except Exception as exc:
+                record.result = Result(error=exc)
+            finally:
+                record.done.set()
+
+        async def start() -> None:
+            record.task = asyncio.create_task(body())
+
+        self.loops[loop].call(start, "starting a wait pause")
+        note(f"   (waits for {[r.rid for r in self._running()]})")
+
+    @precondition(lambda self: self.phase == "alive" and self.paused)
+    @rule(loop=LOOP)
+    def resume(self, loop: int) -> None:
+        note(f"resume_generation() on loop {loop}")
+        self._resume()
+        result = self._run(loop, self.engine.resume_generation, "resume_generation")
+        self._expect(result, "resume_generation", None)
+
+    @precondition(lambda self: self.phase == "alive" and self.paused)
+    @rule(loop=LOOP)
+    def resume_again(self, loop: int) -> None:
+        """The same as ``resume``: a second rule, so that pauses do not last forever."""
+        self.resume(loop)
+
+    # -- holds -----------------------------------------------------------------------
+
+    @precondition(lambda self: self.phase == "alive" and len(self.holds) < MAX_HOLDS)
+    @rule(
+        loop=LOOP,
+        at=st.sampled_from(["next", "now", "past", "ahead", "ahead"]),
+        ahead=st.integers(1, 3),
+    )
+    def hold(self, loop: int, at: str, ahead: int) -> None:
+        """``async with engine.paused(at_step=...)`` in a task, held until a later rule."""
+        if at == "past" and self.steps == 0:
+            at = "now"
+        at_step = {
+            "next": None,
+            "now": self.steps,
+            "past": self.steps - 1,
+            "ahead": self.steps + ahead,
+        }[at]
+        if at == "past":
+            note(f"paused(at_step={at_step}) on loop {loop}: passed")
+            result = self._run(loop, lambda: _enter(self.engine, at_step), "paused(passed step)")
+            self._expect(result, "paused(at_step=passed)", ValueError)
+            return
+        hold = HoldRec(len(self.holds), loop, at_step, "pending" if at == "ahead" else "active")
+        note(f"hold {hold.hid}: paused(at_step={at_step}) on loop {loop}")
+        if hold.state == "active":
+            hold.expect_step = self.steps
+        self.holds.append(hold)
+        self._limits()
+        engine = self.engine
+
+        async def start() -> None:
+            hold.task = asyncio.create_task(_hold(engine, hold))
+
+        self.loops[loop].call(start, "starting a hold")
+
+    def _release(self, hold: HoldRec) -> None:
+        self.holds.remove(hold)
+        if self.phase == "alive":
+            self._limits()
+        self.loops[hold.loop].loop.call_soon_threadsafe(hold.ops.put_nowait, None)
+        wait_event(hold.done, f"hold {hold.hid}'s block ending")
+        assert hold.error is None and not hold.cancelled, (hold.error, hold.cancelled)
+
+    @precondition(lambda self: self._active())
+    @rule(pick=PICK)
+    def release(self, pick: int) -> None:
+        hold = self._pick(self._active(), pick)
+        note(f"hold {hold.hid}: release")
+        self._release(hold)
+
+    @precondition(lambda self: self._active())
+    @rule(pick=PICK)
+    def release_again(self, pick: int) -> None:
+        """The same as ``release``: a second rule, so that holds do not pile up."""
+        self.release(pick)
+
+    def _pending_holds(self) -> list[HoldRec]:
+        return [h for h in self.holds if h.state == "pending" and h.expect_error is None]
+
+    @precondition(lambda self: self._pending_holds())
+    @rule(pick=PICK)
+    def cancel_hold(self, pick: int) -> None:
+        """Cancel a task waiting to enter ``paused(at_step=k)``: the hold is withdrawn."""
+        hold = self._pick(self._pending_holds(), pick)
+        note(f"hold {hold.hid}: cancel while waiting for step {hold.at_step}")
+        self.holds.remove(hold)
+        self._limits()
+        task = hold.task
+        assert task is not None
+        self.loops[hold.loop].loop.call_soon_threadsafe(task.cancel)
+        del task
+        wait_event(hold.done, f"hold {hold.hid}'s cancelled task ending")
+        assert hold.cancelled and not hold.entered.is_set(), (hold.error, hold.entered_step)
+
+    @precondition(lambda self: self.phase == "alive" and self._active())
+    @rule(
+        pick=PICK,
+        op=st.sampled_from(["wait", "ahead", "nested", "generate", "keep", "resume"]),
+        spawn=st.booleans(),
+        clear=st.booleans(),
+    )
+    def in_hold(self, pick: int, op: str, spawn: bool, clear: bool) -> None:
+        """A call from inside a task's own ``paused()`` block (or a task it created there)."""
+        hold = self._pick(self._active(), pick)
+        if "held_wait" in AVOID and (op == "ahead" or (op == "wait" and self._running())):
+            op = "nested"
+        note(f"hold {hold.hid}: {op} from inside the block{' (in a new task)' if spawn else ''}")
+        engine = self.engine
+        error: type[BaseException] | None = None
+        req: Req | None = None
+        factory: Callable[[], Coroutine[Any, Any, Any]]
+        if op == "wait":
+            expected = self._pause("wait", clear, own=True)
+            error = EngineHeldError if expected == "held" else None
+
+            async def factory() -> Any:
+                await engine.pause_generation(mode="wait", clear_cache=clear)
+
+        elif op == "ahead":
+            error = EngineHeldError
+            step = self.steps + 1
+
+            async def factory() -> Any:
+                return await _enter(engine, step)
+
+        elif op == "nested":
+
+            async def factory() -> Any:
+                return await _enter(engine, None)
+
+        elif op == "generate":
+            req = made = self._new(hold.loop, 1, "cumulative", 2)
+            params, rid = self._params(req), req.rid
+
+            async def factory() -> Any:
+                made.stream = engine.generate("prompt", params, request_id=rid)
+
+        elif op == "keep":
+            self._pause("keep", clear, own=True)
+
+            async def factory() -> Any:
+                await engine.pause_generation(mode="keep", clear_cache=clear)
+
+        else:
+            self._resume()
+
+            async def factory() -> Any:
+                await engine.resume_generation()
+
+        if spawn:
+            inner = factory
+
+            async def factory() -> Any:
+                return await asyncio.create_task(inner())
+
+        done: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        self.loops[hold.loop].loop.call_soon_threadsafe(hold.ops.put_nowait, (factory, done))
+        result = wait(done, f"{op} inside hold {hold.hid}")
+        self._expect(result, f"{op} inside hold {hold.hid}", error)
+        if op == "nested":
+            assert result.value == self.steps, (result.value, self.steps)
+
+    # -- steps -----------------------------------------------------------------------
+
+    @precondition(lambda self: self.phase == "alive" and self._can_step())
+    @rule(count=st.integers(1, 4), first=LOOP, drain=LOOP)
+    def advance(self, count: int, first: int, drain: int) -> None:
+        """Let the engine core produce up to ``count`` outputs, one at a time.
+
+        After each step both loops answer (``first`` first), so that streams react
+        to the step's outputs before the next; ``drain`` takes back an unused credit.
+        """
+        fake = self.fake
+        for _ in range(count):
+            if not self._can_step():
+                return
+            productive, idle = fake.productive, fake.idle
+            fake.credit()
+            with fake.cond:
+                stepped = fake.cond.wait_for(
+                    lambda p=productive, i=idle: fake.productive > p or fake.idle > i,  # type: ignore[misc]
+                    BOUND,
+                )
+            if not stepped:
+                raise Hang(f"hang: no step within {BOUND} s of a credit, with requests in flight")
+            for _ in range(fake.idle - idle):
+                self._on_step(productive=False)
+            if fake.productive > productive:
+                note(f"step {self.steps + 1}")
+                self._on_step(productive=True)
+            # Streams that react to this step's outputs (a break) do so before both answer.
+            for i in (first, 1 - first):
+                self._noop(i)
+            if fake.productive == productive:
+                leftover = self._run(
+                    drain, lambda: self.engine.run_on_engine(_drain), "drain", False
+                )
+                assert leftover.value == 1, leftover
+
+    @precondition(lambda self: self.phase == "alive" and self._can_step())
+    @rule(count=st.integers(1, 4), first=LOOP, drain=LOOP)
+    def advance_more(self, count: int, first: int, drain: int) -> None:
+        """The same as ``advance``: more rules, so that steps are drawn more often."""
+        self.advance(count, first, drain)
+
+    @precondition(lambda self: self.phase == "alive" and self._can_step())
+    @rule(count=st.integers(1, 4), first=LOOP, drain=LOOP)
+    def advance_further(self, count: int, first: int, drain: int) -> None:
+        """The same as ``advance``: more rules, so that steps are drawn more often."""
+        self.advance(count, first, drain)
+
+    @precondition(lambda self: self.phase == "alive" and self._running() and not self._can_step())
+    @rule()
+    def no_step(self) -> None:
+        """A core output while a hold or a "keep" pause stops the stepping: no step runs."""
+        fake = self.fake
+        before = fake.steps
+        fake.credit()
+        for i in (0, 1):
+            self._noop(i)
+        drained = self._run(0, lambda: self.engine.run_on_engine(_drain), "drain", False)
+        assert fake.steps == before, f"{fake.steps - before} steps ran: {fake.violations}"
+        assert drained.value == 1, drained
+
+    # -- the ends --------------------------------------------------------------------
+
+    def _may_end(self) -> bool:
+        # Ending is one rule of many, and only once the lifetime has had time to build a state.
+        return self.phase == "alive" and self.age >= MIN_AGE
+
+    @precondition(lambda self: self._may_end())
+    @rule(how=st.sampled_from(["close", "step", "core", "process"]), loop=LOOP)
+    def end(self, how: str, loop: int) -> None:
+        """Close the engine, or kill it: a step raises, the core dies, its process dies."""
+        if how == "step" and not self._can_step():
+            how = "core"
+        if how == "process" and self.process is None:
+            how = "core"
+        if how == "close":
+            result = self._run(loop, lambda: self.engine.aclose(), "aclose", record=False)
+            self._expect(result, "aclose", None)
+            self._closed()
+        elif how == "step":
+            self.fake.fail_with = RuntimeError(f"boom at step {self.steps + 1}")
+            self.fake.credit()
+            wait_event(self.fake.shut_down, "the engine stopping after step() raised")
+            self._die(f"RuntimeError: boom at step {self.steps + 1}")
+        elif how == "core":
+
+            def dead(_: object) -> None:
+                raise VllmEngineDeadError()
+
+            # A call into the engine core finds it dead (vLLM's EngineDeadError).
+            result = self._run(loop, lambda: self.engine.run_on_engine(dead), "run_on_engine")
+            self._die("EngineDeadError: EngineCore encountered an issue")
+            self._expect(result, "run_on_engine into a dead core", EngineDeadError)
+            wait_event(self.fake.shut_down, "the engine stopping after the core died")
+        else:
+            # The engine-core process is killed: the watchdog declares the engine dead.
+            assert self.process is not None
+            self.process.kill()
+            wait_event(self.fake.shut_down, "the engine stopping after its core process died")
+            assert self.engine.errored
+            self._die("ChildProcessError: engine process FakeEngineCore")
+
+    @precondition(lambda self: self.phase in ("dead", "closed"))
+    @rule(
+        loop=LOOP,
+        call=st.sampled_from(["generate", "abort", "pause", "resume", "reset", "call", "hold"]),
+    )
+    def later_call(self, loop: int, call: str) -> None:
+        """Every call after a death or a close raises its error at once."""
+        engine = self.engine
+        calls: dict[str, Callable[[], Coroutine[Any, Any, Any]]] = {
+            "generate": lambda: _generate_now(engine),
+            "abort": lambda: engine.abort("r1"),
+            "pause": lambda: engine.pause_generation(mode="wait"),
+            "resume": engine.resume_generation,
+            "reset": engine.reset_prefix_cache,
+            "call": lambda: engine.run_on_engine(_noop),
+            "hold": lambda: _enter(engine, None),
+        }
+        result = self._run(loop, calls[call], f"{call} after the end")
+        self._expect(result, f"{call} after the end", self._gone())
+
+    @precondition(lambda self: self.phase in ("dead", "closed"))
+    @rule(process=st.booleans())
+    def restart(self, process: bool) -> None:
+        self._finish()
+        self._start(process)
+
+    # -- the invariant ---------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_the_model(self) -> None:
+        if self.phase == "none":
+            return
+        self.age += 1
+        if self.phase == "alive":
+            for i in (0, 1):
+                self._noop(i)
+            self._check_engine()
+        self._settle()
+        for i, answers in enumerate(self.answers):
+            assert answers == sorted(answers), (
+                f"loop {i}'s commands answered out of order: {answers}"
+            )
+            self.answers[i] = answers[-1:]
+        applied = self.fake.applied[self.applied_seen :]
+        for i in (0, 1):
+            mine = [seq for loop, seq in applied if loop == i]
+            assert mine == sorted(mine), f"loop {i}'s calls applied out of order: {mine}"
+        self.applied_seen = len(self.fake.applied)
+
+    def _check_engine(self) -> None:
+        snapshot = self._run(0, lambda: self.engine.run_on_engine(_unfinished), "snapshot", False)
+        self._expect(snapshot, "snapshot", None)
+        expected = {r.rid: r.tokens for r in self._running()}
+        assert snapshot.value == expected, (
+            f"the engine holds {snapshot.value}, the model says {expected}"
+        )
+        assert not self.fake.violations, self.fake.violations
+        assert self.engine.step_count == self.fake.steps == self.steps, (
+            self.engine.step_count,
+            self.fake.steps,
+            self.steps,
+        )
+        stats = self.engine.stats()
+        parked = sum(r.state == "parked" for r in self.reqs.values())
+        assert stats.requests_in_flight == len(expected), (stats, expected)
+        assert stats.requests_waiting == parked, (stats, parked)
+        assert stats.paused == (self.paused or bool(self._active())), (stats, self.paused)
+        assert stats.steps == self.steps, stats
+        extra = self.parked_aborts
+        assert self.finished <= stats.requests_finished <= self.finished + extra, (
+            stats,
+            self.finished,
+            extra,
+        )
+        assert self.aborted <= stats.requests_aborted <= self.aborted + extra, (
+            stats,
+            self.aborted,
+            extra,
+        )
+        paused = self._run(0, self.engine.is_paused, "is_paused", False)
+        assert paused.value is self.paused, (paused, self.paused)
+        lo, hi = self.resets
+        assert lo <= self.fake.resets <= hi, (
+            f"{self.fake.resets} prefix-cache resets, the model says {lo} to {hi}"
+        )
+        if lo == hi:
+            return
+        self.resets = (self.fake.resets, self.fake.resets)
+
+    def _settle(self) -> None:
+        """Everything due has completed, as predicted; everything else still waits."""
+        for req in list(self.reqs.values()):
+            consumer = req.consumer
+            if consumer is None:
+                continue
+            if consumer.due:
+                wait_event(consumer.done, f"{req.rid}: its {consumer.kind} task ending")
+                self._absorb(req, consumer)
+            elif consumer.done.is_set():
+                self._absorb(req, consumer)
+                raise AssertionError(
+                    f"{req.rid}: its {consumer.kind} task ended, but the model says it must wait "
+                    f"(state {req.state}): outputs {consumer.outputs}, result {consumer.result}, "
+                    f"error {consumer.error!r} {consumer.trace}"
+                )
+        for hold in list(self.holds):
+            if hold.expect_error is not None:
+                wait_event(hold.done, f"hold {hold.hid} failing")
+                assert isinstance(hold.error, hold.expect_error), (hold.hid, hold.error)
+                self.holds.remove(hold)
+            elif hold.state == "active":
+                wait_event(hold.entered, f"hold {hold.hid} entering at step {hold.expect_step}")
+                assert hold.error is None, hold.error
+                assert hold.entered_step == hold.expect_step, (hold.entered_step, hold.expect_step)
+            else:
+                assert not hold.done.is_set() and not hold.entered.is_set(), (
+                    f"hold {hold.hid} for step {hold.at_step} ended or entered at step "
+                    f"{self.steps}: {hold.error!r}"
+                )
+        for w in list(self.waits):
+            if w.due:
+                wait_event(w.done, "a wait pause returning")
+                assert w.result is not None
+                self._expect(w.result, "pause_generation(wait)", w.expect_error)
+                self.waits.remove(w)
+            else:
+                assert not w.done.is_set(), f"a wait pause returned early: {w.result}"
+
+    # -- what a stream gave ------------------------------------------------------------
+
+    def _absorb(self, req: Req, consumer: Consumer) -> None:
+        req.consumer, consumer.task = None, None
+        what = f"{req.rid} ({consumer.kind})"
+        assert not consumer.cancelled, f"{what}: the task was cancelled"
+        for out in consumer.outputs:
+            self._piece(req, out, awaited=False)
+        if consumer.result is not None:
+            self._piece(req, consumer.result, awaited=True)
+        if consumer.error is not None:
+            self._ended_with(req, consumer.error, consumer.trace)
+        elif consumer.stopped:
+            raise AssertionError(f"{what}: StopAsyncIteration before the end")
+        elif consumer.kind in ("await", "iterate"):
+            assert req.consumed_end, f"{what}: ended without a final output"
+        else:
+            assert len(consumer.outputs) == 1, (what, consumer.outputs)
+        if consumer.kind == "iterate" and consumer.error is None:
+            assert consumer.after_end == "stop", (
+                f"{what}: after the end, anext gave {consumer.after_end}"
+            )
+
+    def _ended_with(self, req: Req, error: BaseException, trace: str) -> None:
+        expected = {"dead": EngineDeadError, "closed": EngineClosedError}.get(req.outcome)
+        assert expected is not None and isinstance(error, expected), (
+            f"{req.rid} ({req.state}, {req.outcome}): raised {error!r}\n{trace}"
+        )
+        if isinstance(error, EngineDeadError):
+            assert req.cause in str(error), (str(error), req.cause)
+        req.consumed_end = True
+
+    def _piece(self, req: Req, out: RequestOutput, awaited: bool) -> None:
+        """Check one output a consumer took against the model, and the end if it is final."""
+        what = f"{req.rid}: output {out}"
+        assert not req.consumed_end, f"{what} after the stream's end"
+        assert out.request_id == req.rid, what
+        indices = [c.index for c in out.outputs]
+        assert set(indices) <= set(range(req.n)), what
+        if awaited:
+            assert indices == list(range(req.n)), f"{what}: awaited, not all n completions in order"
+        limit = req.end_tokens if req.state == "ended" else req.tokens
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            if req.kind is RequestOutputKind.DELTA:
+                req.delta.setdefault(c.index, []).extend(ids)
+            else:
+                assert ids == list(range(len(ids))), what
+                assert len(ids) >= req.cumulative.get(c.index, 0), (
+                    f"{what}: fewer tokens than before"
+                )
+                req.cumulative[c.index] = len(ids)
+            assert len(req.delta.get(c.index, ids)) <= limit or req.lossy, f"{what}: beyond {limit}"
+            req.reasons[c.index] = c.finish_reason
+        if req.kind is RequestOutputKind.FINAL_ONLY:
+            assert out.finished, f"{what}: FINAL_ONLY gave an unfinished output"
+        if not out.finished:
+            assert any(c.finish_reason is None for c in out.outputs) or req.n > 1, what
+            return
+        assert req.state == "ended" and req.outcome in ("length", "abort"), (
+            f"{what}: final, but the model says {req.state} {req.outcome}"
+        )
+        req.consumed_end, req.final = True, out
+        self._check_final(req, out)
+
+    def _check_final(self, req: Req, out: RequestOutput) -> None:
+        what = f"{req.rid} ({req.outcome} at {req.end_tokens}): final {out}"
+        expected = list(range(req.end_tokens))
+        for i in range(req.n):
+            assert req.reasons.get(i) == req.outcome, f"{what}: completion {i} ends {req.reasons}"
+            if req.kind is RequestOutputKind.DELTA:
+                assert req.lossy or req.delta.get(i) == expected, f"{what}: deltas {req.delta}"
+                continue
+            completion = next((c for c in out.outputs if c.index == i), None)
+            assert completion is not None, f"{what}: no completion {i}"
+            ids = list(completion.token_ids)
+            if req.kind is RequestOutputKind.FINAL_ONLY and req.outcome == "abort":
+                # With no output from vLLM to copy, the stream's own abort output is empty.
+                assert ids in ([], expected), what
+            else:
+                assert ids == expected, what
+
+
+# -- coroutines run on the loops ---------------------------------------------------
+
+
+def _noop(_: object) -> None:
+    return None
+
+
+def _drain(engine: Any) -> int:
+    drained: int = engine.drain()
+    return drained
+
+
+def _unfinished(engine: Any) -> dict[str, int]:
+    unfinished: dict[str, int] = engine.unfinished()
+    return unfinished
+
+
+async def _generate_now(engine: AsyncEngine) -> RequestStream:
+    return engine.generate("prompt", SamplingParams(max_tokens=1))
+
+
+async def _enter(engine: AsyncEngine, at_step: int | None) -> int:
+    async with engine.paused(at_step=at_step) as step:
+        return step
+
+
+def _holders(obj: object) -> list[str]:
+    """Describe what refers to ``obj`` (and what refers to those), for a test-bug message."""
+    described = []
+    for holder in gc.get_referrers(obj):
+        if isinstance(holder, list) and holder and holder[0] is obj:
+            continue  # gc's own list
+        above = [type(h).__name__ for h in gc.get_referrers(holder)][:5]
+        described.append(f"{type(holder).__name__} {str(holder)[:200]} <- {above}")
+    return described
+
+
+def _keep_error(consumer: Consumer, exc: BaseException) -> None:
+    consumer.error = exc
+    consumer.trace = "".join(traceback.format_exception(exc))
+    # The traceback's frames hold the stream: let it go, as a user's handler would.
+    exc.__traceback__ = None
+
+
+async def _consume(consumer: Consumer, stream: RequestStream) -> None:
+    """Consume ``stream`` as ``consumer.kind`` says, recording what it gave."""
+    # RequestStream is its own async iterator (issue 13); typed loosely for the old code.
+    it: Any = stream
+    try:
+        if consumer.kind == "await":
+            consumer.result = await stream
+        elif consumer.kind == "iterate":
+            async for out in stream:
+                consumer.outputs.append(out)
+            try:
+                extra = await anext(aiter(stream))
+            except StopAsyncIteration:
+                consumer.after_end = "stop"
+            except Exception as exc:
+                consumer.after_end = repr(exc)
+            else:
+                consumer.after_end = f"another output: {extra}"
+        elif consumer.kind == "anext":
+            consumer.outputs.append(await anext(it))
+        elif consumer.kind == "anext_aiter":
+            consumer.outputs.append(await anext(aiter(stream)))
+        elif consumer.kind == "break_keep":
+            async for out in stream:
+                consumer.outputs.append(out)
+                break
+    except StopAsyncIteration:
+        consumer.stopped = True
+    except asyncio.CancelledError:
+        consumer.cancelled = True
+    except Exception as exc:
+        _keep_error(consumer, exc)
+    finally:
+        del stream, it
+        consumer.done.set()
+
+
+async def _hold(engine: AsyncEngine, hold: HoldRec) -> None:
+    """Hold the engine until told to release; run the ops sent meanwhile inside the block."""
+    try:
+        async with engine.paused(at_step=hold.at_step) as step:
+            hold.entered_step = step
+            hold.entered.set()
+            while (op := await hold.ops.get()) is not None:
+                factory, done = op
+                try:
+                    result = Result(await factory())
+                except Exception as exc:
+                    result = Result(error=exc)
+                if not done.cancelled():  # cancelled: the test gave up waiting (a hang)
+                    done.set_result(result)
+                del op, factory, done, result
+    except asyncio.CancelledError:
+        hold.cancelled = True
+    except Exception as exc:
+        hold.error = exc
+    finally:
+        hold.done.set()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_engine_agrees_with_the_model() -> None:
+    """Random interleavings from two loops keep the engine in agreement with the model."""
+    run_state_machine_as_test(EngineMachine, settings=settings())
