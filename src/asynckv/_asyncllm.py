@@ -73,7 +73,10 @@ class BuildRecord:
 
     def record(self, engine: LLMEngine) -> None:
         """Take the build-time attributes of ``engine`` (on the thread that built it)."""
-        self.built = _BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
+        try:
+            self.built = _BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
+        except AttributeError:
+            self.built = None  # a stand-in for LLMEngine (a test's fake engine) has none
 
     def wrap(self, build: Callable[[], LLMEngine]) -> Callable[[], LLMEngine]:
         """``build``, recording what it built here before returning it."""
@@ -175,6 +178,10 @@ class AsyncLLMMethods(EngineCalls):
         if built is None:
             if self._closed or self.errored:
                 raise EngineClosedError()  # it never got built
+            if self._worker.started:
+                raise AttributeError(
+                    "the wrapped engine has no vllm_config, renderer or input_processor"
+                )
             raise EngineNotStartedError()
         return built
 
