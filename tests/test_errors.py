@@ -124,7 +124,7 @@ async def test_stream_on_another_loop_is_refused(engine: AsyncEngine) -> None:
 
 async def test_asyncllm_pass_throughs(engine: AsyncEngine) -> None:
     """AsyncLLM's pass-throughs answer from the worker thread between steps."""
-    tokenizer = await engine.get_tokenizer()
+    tokenizer = engine.get_tokenizer()  # sync, as AsyncLLM.get_tokenizer
     assert tokenizer.encode("To be or not to be,")
     assert await engine.is_sleeping() is False
     await engine.check_health()

@@ -266,7 +266,7 @@ async def test_real_engines_share_a_burst(pair: Pair) -> None:
 async def test_affinity_hits_the_prefix_cache(pair: Pair) -> None:
     """A request sharing a long prefix goes to the engine that cached it, and hits there."""
     block = await pair.engines[0].run_on_engine(lambda e: e.vllm_config.cache_config.block_size)
-    tokenizer = await pair.engines[0].get_tokenizer()
+    tokenizer = pair.engines[0].get_tokenizer()
     prefix = (tokenizer.encode("A robot may not injure a human being. ") * 200)[: 2 * block]
     params = SamplingParams(max_tokens=4, **GREEDY)
     pool = AsyncEnginePool(pair.engines)
