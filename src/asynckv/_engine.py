@@ -9,12 +9,9 @@ caller's loop. The sync ``shutdown()`` may run on any thread.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-import logging
-import time
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from vllm.sampling_params import SamplingParams
@@ -22,16 +19,10 @@ from vllm.usage.usage_lib import UsageContext
 
 from . import _checks, _loops
 from ._asyncllm import AsyncLLMMethods, BuildRecord
-from ._commands import Abort, Add, Call, Hold, Pause, PauseMode, Release, Reply, Resume
-from ._errors import (
-    EngineClosedError,
-    EngineDeadError,
-    EngineNotStartedError,
-    EngineStalledError,
-)
-from ._log import emit
+from ._commands import Abort, Add, Reply
+from ._engine_control import EngineControl
+from ._errors import EngineClosedError, EngineNotStartedError
 from ._sink import _Sink
-from ._stats import EngineStats
 from ._stream import RequestStream
 from ._worker import Worker
 
@@ -45,18 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = ("AsyncEngine",)
 
-P = ParamSpec("P")
-R = TypeVar("R")
 
-# The holds of the paused() blocks the current task is inside (tasks created
-# in a block inherit it): a call that needs steps which such a hold stops can
-# never complete, and the worker refuses it at once.
-_HOLDING: contextvars.ContextVar[frozenset[Hashable]] = contextvars.ContextVar(
-    "asynckv_holding", default=frozenset()
-)
-
-
-class AsyncEngine(AsyncLLMMethods):
+class AsyncEngine(AsyncLLMMethods, EngineControl):
     """An async facade (asyncio or trio) over one ``vllm.LLMEngine``, stepped on its own thread.
 
     A dedicated worker thread owns the engine: it is the only thread that
@@ -85,6 +66,9 @@ class AsyncEngine(AsyncLLMMethods):
     (``get_tokenizer``, ``tokenizer``, ``add_request``, ``sleep``, LoRA, profiling,
     the cache resets, ...), so code written for ``AsyncLLM`` runs on it; and
     ``asynckv.AsyncEngineClient`` makes it vLLM's ``EngineClient``.
+
+    The controls (``run_on_engine``, ``reset_prefix_cache``, ``paused()``, the
+    pause calls, ``stats``, ``check_health``) come from ``EngineControl``.
     """
 
     def __init__(self, llm_engine: EngineLike, *, freeze_gc: bool = True) -> None:
@@ -253,180 +237,3 @@ class AsyncEngine(AsyncLLMMethods):
         """
         ids = _checks.request_ids(request_id)
         await self._ask(lambda reply: Abort(ids, reply))
-
-    # -- between two steps ---------------------------------------------------------
-
-    async def run_on_engine(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        """Run ``fn(llm_engine, *args, **kwargs)`` on the worker between two steps.
-
-        Returns its result; its exception is raised here and the engine keeps
-        going. ``fn`` must not block for long: no step runs meanwhile.
-        """
-        result: R = await self._ask(lambda reply: Call(lambda e: fn(e, *args, **kwargs), reply))
-        return result
-
-    async def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_connector: bool = False
-    ) -> bool:
-        """Reset the prefix cache between two steps and return vLLM's answer.
-
-        False when running requests still hold blocks and
-        ``reset_running_requests`` is False. With it True, running requests are
-        preempted and recomputed, and finish as they would have without the reset.
-        """
-        worker = self._worker
-
-        def reset(engine: LLMEngine) -> bool:
-            # On the worker thread, between two steps.
-            in_flight = len(worker.registry.routes)
-            done = bool(engine.reset_prefix_cache(reset_running_requests, reset_connector))
-            emit(
-                logging.INFO if done else logging.WARNING,
-                "prefix cache reset",
-                result=done,
-                step=worker.counters.steps,
-                reset_running_requests=reset_running_requests,
-                requests_preempted=in_flight if done and reset_running_requests else 0,
-            )
-            return done
-
-        result: bool = await self.run_on_engine(reset)
-        return result
-
-    def stats(self) -> EngineStats:
-        """Take a snapshot of the engine's counters, without waiting for the worker.
-
-        Safe from any thread; never blocks. See ``EngineStats`` for the fields.
-        """
-        snap = self._worker.snapshot()
-        last = snap.last_step_end
-        return EngineStats(
-            steps=snap.steps,
-            steps_per_second=snap.steps_per_second,
-            last_step_seconds=snap.last_step_seconds,
-            seconds_since_last_step=None if last is None else time.perf_counter() - last,
-            requests_in_flight=snap.in_flight,
-            requests_waiting=snap.waiting,
-            paused=snap.admission_paused or snap.held,
-            commands_queued=snap.commands_queued,
-            outputs_delivered=snap.outputs_delivered,
-            requests_finished=snap.requests_finished,
-            requests_aborted=snap.requests_aborted,
-            loops_served=snap.loops_served,
-        )
-
-    @property
-    def step_count(self) -> int:
-        """The number of engine steps completed so far."""
-        return self._worker.counters.steps
-
-    @contextlib.asynccontextmanager
-    async def paused(self, at_step: int | None = None) -> AsyncIterator[int]:
-        """Hold the engine at a step boundary for the duration of the block.
-
-        Enters once the worker stands at the next boundary, or right after step
-        ``at_step`` completes, and yields the number of completed steps there.
-        Commands issued in the block (generate, abort, reset, ...) are applied
-        in order at that boundary; stepping resumes when the block exits.
-
-        Holds stack: stepping resumes when every block has exited. A block
-        entered inside another of the same task (or of a task created inside
-        it) for a future ``at_step`` could never be entered, and raises at once.
-
-        Raises:
-            ValueError: ``at_step`` has already passed.
-            EngineHeldError: ``at_step`` is in the future and the caller's own
-                ``paused()`` block stops the stepping.
-        """
-        holding = _HOLDING.get()
-        hold = Hold(at_step, Reply.here(), holding)
-        try:
-            self._submit(hold)
-            step: int = await hold.reply.future
-            entered = _HOLDING.set(holding | {hold.token})
-            try:
-                yield step
-            finally:
-                _HOLDING.reset(entered)
-        finally:
-            with contextlib.suppress(EngineClosedError, EngineDeadError):
-                self._worker.inbox.put(Release(hold.token))
-
-    async def pause_generation(
-        self, *, mode: PauseMode = "abort", clear_cache: bool = True
-    ) -> None:
-        """Pause generation, as ``AsyncLLM.pause_generation`` does.
-
-        Requests submitted while paused wait and are admitted, in order, on
-        ``resume_generation()``. ``mode`` says what happens to those in flight:
-        ``"abort"`` aborts them, ``"wait"`` returns once they have finished,
-        ``"keep"`` freezes them until resumed. ``clear_cache`` then resets the
-        prefix cache (preempting kept requests, which recompute on resume).
-        A pause while paused applies its own mode to what is in flight. A
-        pending ``"wait"`` also returns when ``resume_generation()`` comes first.
-        docs/reset-and-pause.md has the outcome of every combination.
-
-        Raises:
-            ValueError: an unknown ``mode``.
-            EngineHeldError: ``"wait"`` with requests in flight while a ``"keep"``
-                pause or the caller's own ``paused()`` block stops the stepping
-                (it could never return); nothing changes.
-        """
-        mode = _checks.pause_mode(mode)
-        holding = _HOLDING.get()
-        await self._ask(lambda reply: Pause(mode, clear_cache, reply, holding))
-
-    async def resume_generation(self) -> None:
-        """Resume after ``pause_generation()``: admit the waiting requests, step again.
-
-        A no-op when not paused. Pending ``"wait"`` pauses return.
-        """
-        await self._ask(Resume)
-
-    async def is_paused(self) -> bool:
-        """Whether ``pause_generation()`` is in force."""
-        self._check_open()
-        return self._worker.snapshot().admission_paused
-
-    # -- health ----------------------------------------------------------------------
-
-    async def check_health(self, stall_timeout: float | None = None) -> None:
-        """Raise unless the engine is usable and, given ``stall_timeout``, making progress.
-
-        Never waits for the worker, so it answers even while a step hangs.
-
-        Raises:
-            EngineClosedError: the engine was closed.
-            EngineDeadError: the engine died.
-            EngineStalledError: a ``step()`` has been running for longer than
-                ``stall_timeout`` seconds, or requests are unfinished, nothing
-                holds the engine (``paused()``, a "keep" pause) and no step has
-                completed for that long.
-        """
-        self._check_open()
-        snap = self._worker.snapshot()
-        if (error := snap.dead_error) is not None:
-            raise error
-        if stall_timeout is None:
-            return
-        now = time.perf_counter()
-        stepping = snap.in_step_since
-        if stepping is not None and now - stepping > stall_timeout:
-            # A step that doesn't return stalls everything, whatever we track.
-            raise EngineStalledError(now - stepping, snap.in_flight)
-        if not snap.in_flight or snap.held:
-            return
-        idle = now - max(snap.last_step_end or 0.0, snap.busy_since)
-        if idle > stall_timeout:
-            raise EngineStalledError(idle, snap.in_flight)
-
-    @property
-    def errored(self) -> bool:
-        """Whether the engine has died."""
-        return self._worker.registry.dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException:
-        """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
-        error = self._worker.registry.dead_error
-        return error or EngineDeadError(RuntimeError("the engine is alive"))
