@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from typing import Any
 
 import pytest
 from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 
 from asynckv import AsyncEngine
 from support import cancel_while_iterating, result, unfinished
@@ -142,4 +144,33 @@ async def test_abort_before_first_step(engine: AsyncEngine) -> None:
     final = await stream
     assert final.outputs[0].finish_reason == "abort"
     assert len(final.outputs[0].token_ids) == 0
+    assert await unfinished(engine) == 0
+
+
+async def test_failed_streams_leave_no_callback_on_their_task(engine: AsyncEngine) -> None:
+    """A stream that ends with an error stops watching the task that consumed it."""
+    callbacks: dict[str, int] = {"added": 0, "removed": 0}
+
+    class CountingTask(asyncio.Task[None]):
+        def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+            # Only the task's own code (the streams it awaits), not the test awaiting it.
+            if asyncio.current_task() is self:
+                callbacks["added"] += 1
+            super().add_done_callback(fn, context=context)
+
+        def remove_done_callback(self, fn: Any) -> int:
+            removed = super().remove_done_callback(fn)
+            callbacks["removed"] += removed
+            return removed
+
+    async def consume_failing_streams() -> None:
+        for _ in range(20):
+            # vLLM 0.26 (the GPU run's) raises a plain ValueError here.
+            with pytest.raises((VLLMValidationError, ValueError), match="prompt cannot be empty"):
+                await engine.generate({"prompt_token_ids": []}, LONG)
+
+    task = CountingTask(consume_failing_streams())
+    await task
+    assert callbacks["added"] == 20
+    assert callbacks["removed"] == 20
     assert await unfinished(engine) == 0

@@ -114,13 +114,20 @@ class RequestStream:
         elif not sink.loop.is_current():
             raise self._wrong_loop()
         self._touched = True
-        while (out := sink.take()) is None:
-            try:
-                await sink.wait()
-            except BaseException:
-                # Cancelled (or interrupted) while waiting: nobody wants the rest.
-                self._abandon("cancelled")
-                raise
+        try:
+            while (out := sink.take()) is None:
+                try:
+                    await sink.wait()
+                except BaseException:
+                    # Cancelled (or interrupted) while waiting: nobody wants the rest.
+                    self._abandon("cancelled")
+                    raise
+        except BaseException:
+            if sink.finished:
+                # Ended by an error: stop watching the task, or a long-lived task
+                # that meets many failed streams would collect their callbacks.
+                self._watch(None)
+            raise
         if out.finished:
             self._final = out
             self._watch(None)
