@@ -107,7 +107,9 @@ class AsyncLLMMethods(EngineCalls):
         async def run_on_engine(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R: ...
 
         @classmethod
-        def _unstarted(cls, build: Callable[[], LLMEngine], freeze_gc: bool) -> Self: ...
+        def _unstarted(
+            cls, build: Callable[[], LLMEngine], freeze_gc: bool, stream_interval: float = 0.0
+        ) -> Self: ...
 
         def generate(
             self,
@@ -132,6 +134,7 @@ class AsyncLLMMethods(EngineCalls):
         client_index: int = 0,
         *,
         freeze_gc: bool = True,
+        stream_interval: float = 0.0,
     ) -> Self:
         """Make an engine that ``start()`` will build from ``vllm_config``, as ``AsyncLLM``'s.
 
@@ -169,7 +172,7 @@ class AsyncLLMMethods(EngineCalls):
                 multiprocess_mode=envs.VLLM_ENABLE_V1_MULTIPROCESSING,
             )
 
-        return cls._unstarted(build, freeze_gc)
+        return cls._unstarted(build, freeze_gc, stream_interval)
 
     # -- what the engine set when it was built ---------------------------------------
 

@@ -6,6 +6,7 @@ wrong argument fails its own call at once and nothing else.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Iterable
 from typing import get_args
@@ -14,7 +15,7 @@ from vllm.sampling_params import SamplingParams
 
 from ._control import PauseMode
 
-__all__ = ("pause_mode", "request_id", "request_ids", "sampling_params")
+__all__ = ("pause_mode", "request_id", "request_ids", "sampling_params", "stream_interval")
 
 
 def sampling_params(params: object) -> SamplingParams:
@@ -51,3 +52,12 @@ def pause_mode(mode: object) -> PauseMode:
         if mode == known:
             return known  # type: ignore[no-any-return]
     raise ValueError(f"mode must be one of {get_args(PauseMode)}, not {mode!r}")
+
+
+def stream_interval(seconds: object) -> float:
+    """A stream interval in seconds: a finite number >= 0 (0: every output at once)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(f"stream_interval must be a number of seconds, not {seconds!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"stream_interval must be finite and >= 0, got {seconds}")
+    return float(seconds)

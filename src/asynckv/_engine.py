@@ -62,6 +62,9 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
     requests; docs/performance.md). Process-wide, like every ``gc`` setting:
     pass False to leave the collector alone.
 
+    ``stream_interval`` (seconds, default 0): the default of ``generate``'s
+    own, which makes a stream wake its consumer at most once per interval.
+
     It also has ``AsyncLLM``'s names and shapes for what the two share
     (``get_tokenizer``, ``tokenizer``, ``add_request``, ``sleep``, LoRA, profiling,
     the cache resets, ...), so code written for ``AsyncLLM`` runs on it; and
@@ -71,10 +74,14 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
     pause calls, ``stats``, ``check_health``) come from ``EngineControl``.
     """
 
-    def __init__(self, llm_engine: EngineLike, *, freeze_gc: bool = True) -> None:
+    def __init__(
+        self, llm_engine: EngineLike, *, freeze_gc: bool = True, stream_interval: float = 0.0
+    ) -> None:
         self._record = BuildRecord(llm_engine)
         self._worker = Worker(lambda: llm_engine, freeze_gc)
         self._closed = False
+        self.stream_interval = _checks.stream_interval(stream_interval)
+        """The default of ``generate(stream_interval=...)``, seconds (0: every output at once)."""
         self._worker.start(None)
 
     @classmethod
@@ -86,14 +93,15 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         stat_loggers: list[StatLoggerFactory] | None = None,
         *,
         freeze_gc: bool = True,
+        stream_interval: float = 0.0,
     ) -> AsyncEngine:
         """Make an engine that ``start()`` will build from ``engine_args``.
 
         Does no heavy work: nothing is loaded until ``start()`` (``AsyncLLM``
         builds in its constructor). ``usage_context`` and ``stat_loggers`` go
         to ``LLMEngine.from_engine_args``; ``start_engine_loop`` is accepted for
-        ``AsyncLLM``'s signature and, as there, changes nothing. ``freeze_gc``:
-        see the class.
+        ``AsyncLLM``'s signature and, as there, changes nothing. ``freeze_gc``
+        and ``stream_interval``: see the class.
         """
         from vllm import LLMEngine
 
@@ -103,14 +111,17 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
             usage_context=usage_context,
             stat_loggers=stat_loggers,
         )
-        return cls._unstarted(build, freeze_gc)
+        return cls._unstarted(build, freeze_gc, stream_interval)
 
     @classmethod
-    def _unstarted(cls, build: Callable[[], LLMEngine], freeze_gc: bool) -> AsyncEngine:
+    def _unstarted(
+        cls, build: Callable[[], LLMEngine], freeze_gc: bool, stream_interval: float = 0.0
+    ) -> AsyncEngine:
         self = cls.__new__(cls)
         self._record = BuildRecord()
         self._worker = Worker(self._record.wrap(build), freeze_gc)
         self._closed = False
+        self.stream_interval = _checks.stream_interval(stream_interval)
         return self
 
     # -- lifecycle -----------------------------------------------------------------
@@ -196,6 +207,8 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         prompt: Any,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        stream_interval: float | None = None,
         **kwargs: Any,
     ) -> RequestStream:
         """Submit a request now and return its stream.
@@ -210,15 +223,29 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         A bad request (empty or too long prompt, unknown LoRA, an id already
         in flight, ...) raises its error from the stream, to this caller only.
 
+        ``stream_interval`` (seconds; None: the engine's ``stream_interval``)
+        makes the stream wake its consumer at most once per interval: outputs
+        that come sooner are coalesced on the loop (DELTA outputs merged,
+        CUMULATIVE ones replaced by the latest), and go out together once the
+        interval has passed. The first output and the final one always go out
+        at once, and no token is lost. 0 hands out every output as it comes.
+
         Raises:
-            TypeError: ``sampling_params`` or ``request_id`` has the wrong type.
-            ValueError: a ``seed`` beyond 64 bits (vLLM would hang on it).
+            TypeError: ``sampling_params``, ``request_id`` or ``stream_interval``
+                has the wrong type.
+            ValueError: a ``seed`` beyond 64 bits (vLLM would hang on it), a
+                negative ``stream_interval``.
             EngineClosedError, EngineDeadError, EngineNotStartedError: at once.
         """
         loop = _loops.current()
         params = _checks.sampling_params(sampling_params)
         rid = _checks.request_id(request_id)
-        sink = _Sink(loop, rid, params.output_kind, params.n)
+        interval = (
+            self.stream_interval
+            if stream_interval is None
+            else _checks.stream_interval(stream_interval)
+        )
+        sink = _Sink(loop, rid, params.output_kind, params.n, interval)
         self._submit(Add(rid, prompt, params, kwargs, sink))
         return RequestStream(rid, sink, self._abort_soon)
 

@@ -73,6 +73,13 @@ class Loop(Protocol):
         """Whether the calling code runs on this loop."""
         ...
 
+    async def wait(self, future: Future[Any], timeout: float) -> None:
+        """Wait (on the loop) until ``future`` is done or ``timeout`` seconds have passed.
+
+        A timeout leaves the future done with no answer, so a late answer is dropped.
+        """
+        ...
+
 
 class AsyncioLoop:
     """The handle of one asyncio event loop.
@@ -112,8 +119,22 @@ class AsyncioLoop:
         loop = running_asyncio_loop()
         return loop is not None and loop is self._loop()
 
+    async def wait(self, future: Future[Any], timeout: float) -> None:
+        loop = self._loop()
+        assert loop is not None  # the loop runs this very coroutine
+        timer = loop.call_later(timeout, _time_up, future)
+        try:
+            await future
+        finally:
+            timer.cancel()
+
     def __repr__(self) -> str:
         return f"<asyncio loop {self._loop()!r}>"
+
+
+def _time_up(future: Future[Any]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 _handles: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioLoop] = (

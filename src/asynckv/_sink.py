@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from vllm.sampling_params import RequestOutputKind
 
 from ._metrics import Timeline
+from ._pace import Pacer
 from ._vllm import final_abort_output, merge_delta, with_completions
 
 if TYPE_CHECKING:
@@ -31,7 +32,9 @@ class _Sink:
 
     It holds at most one pending output, so a slow consumer costs constant
     memory however many steps pass: DELTA outputs are merged into the pending
-    one, a CUMULATIVE or FINAL_ONLY output replaces it. For ``n > 1`` it keeps
+    one, a CUMULATIVE or FINAL_ONLY output replaces it. With a stream
+    interval (``pacer``) the pending output is also held back until the
+    interval has passed since the last one went out (``_pace.py``). For ``n > 1`` it keeps
     the latest completion of each index, because vLLM's streaming kinds emit
     one child per output.
     """
@@ -48,6 +51,7 @@ class _Sink:
         "loop",
         "n",
         "native",
+        "pacer",
         "request_id",
         "timeline",
     )
@@ -58,6 +62,7 @@ class _Sink:
         request_id: str,
         kind: RequestOutputKind,
         n: int,
+        interval: float = 0.0,
     ) -> None:
         self.loop = loop
         # The asyncio loop or trio token itself, held (the handle holds an
@@ -75,6 +80,8 @@ class _Sink:
         self._error: BaseException | None = None
         self._waiter: Future[None] | None = None
         self.timeline = Timeline(request_id)
+        # stream_interval: None (the common case) costs one test per output.
+        self.pacer = Pacer(interval) if interval > 0 else None
 
     def push(self, out: RequestOutput) -> None:
         """Take one output from the engine (on the loop, scheduled by the worker)."""
@@ -96,7 +103,8 @@ class _Sink:
         self._last = out if self.kind is RequestOutputKind.DELTA else self._pending
         if out.finished:
             self.finished = True
-        self._wake()
+        if self.pacer is None or self.pacer.arrived(out.finished):
+            self._wake()
         # Bookkeeping last: whatever it raises, the consumer has its output.
         self.timeline.output(out, self.kind)
         if out.finished:
@@ -123,6 +131,8 @@ class _Sink:
             return
         self.finished = True
         self._error = error
+        if self.pacer is not None:
+            self.pacer.release()
         self._wake()
         self.timeline.fail(error)
 
@@ -136,11 +146,13 @@ class _Sink:
         Raises the stream's error, or StopAsyncIteration after the final output.
         """
         out = self._pending
-        if out is not None:
+        if out is not None and (self.pacer is None or self.pacer.due()):
             self._pending = None
             if self.n > 1 and self.kind is RequestOutputKind.DELTA:
                 out.outputs.sort(key=_index)
             return out
+        if out is not None:
+            return None  # held for its interval
         if self._error is not None:
             raise self._error
         if self.finished:
@@ -148,14 +160,18 @@ class _Sink:
         return None
 
     async def wait(self) -> None:
-        """Wait until ``push`` or ``fail`` is called.
+        """Wait until ``push`` or ``fail`` is called, or a held output is due.
 
         Cancelling the wait raises the loop's cancellation exception here and
         leaves the buffer as it was: a later ``push`` is kept for the next wait.
         """
         self._waiter = self._new_future()
         try:
-            await self._waiter
+            if self.pacer is not None and self.pacer.held:
+                # Woken by the next push, or when the held output is due.
+                await self.loop.wait(self._waiter, self.pacer.delay())
+            else:
+                await self._waiter
         finally:
             self._waiter = None
 

@@ -14,10 +14,13 @@ the first ``post`` after it, exactly like a closed asyncio loop.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import outcome
 import trio
+
+if TYPE_CHECKING:
+    from ._loops import Future
 
 __all__ = ("TrioFuture", "TrioRun", "current")
 
@@ -51,6 +54,10 @@ class TrioRun:
             return trio.lowlevel.current_trio_token() is self._token
         except RuntimeError:  # not in a trio run at all
             return False
+
+    async def wait(self, future: Future[Any], timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            await future
 
     def __repr__(self) -> str:
         return f"<trio run {self._token!r}>"
