@@ -33,8 +33,11 @@ def _params(kind: RequestOutputKind, tokens: int = 24) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, output_kind=kind, **GREEDY)
 
 
-async def _collect(engine: AsyncEngine, params: SamplingParams, **kw: float) -> list[RequestOutput]:
-    return [out async for out in engine.generate(PROMPT, params, **kw)]
+async def _collect(
+    engine: AsyncEngine, params: SamplingParams, stream_interval: float | None = None
+) -> list[RequestOutput]:
+    stream = engine.generate(PROMPT, params, stream_interval=stream_interval)
+    return [out async for out in stream]
 
 
 @pytest.mark.anyio
