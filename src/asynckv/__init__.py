@@ -17,6 +17,7 @@ from ._log import configure_logging
 from ._metrics import RequestMetrics
 from ._pool import AsyncEnginePool
 from ._stats import EngineStats
+from ._steps import StepRecord, StepStream
 from ._stream import RequestStream
 
 __all__ = (
@@ -33,6 +34,8 @@ __all__ = (
     "EngineStats",
     "RequestMetrics",
     "RequestStream",
+    "StepRecord",
+    "StepStream",
     "configure_logging",
 )
 

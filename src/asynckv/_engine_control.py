@@ -21,6 +21,7 @@ from ._commands import Call, Hold, Pause, PauseMode, Release, Reply, Resume
 from ._errors import EngineClosedError, EngineDeadError, EngineStalledError
 from ._log import emit
 from ._stats import EngineStats
+from ._steps import StepStream
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
@@ -87,6 +88,28 @@ class EngineControl:
 
         result: bool = await self.run_on_engine(reset)
         return result
+
+    def steps(self, buffer: int = 1024) -> StepStream:
+        """Stream a ``StepRecord`` for each engine step from now on: ``async for step in ...``.
+
+        Call it on the loop that will read it. Records come in step order,
+        with the step's number, duration, requests and tokens (prefill and
+        decode apart), finishes, and preemptions and the scheduler's queue
+        where vLLM reports them (stats on). A reader that falls behind loses
+        the oldest records beyond ``buffer`` (``StepStream.skipped`` counts
+        them); the worker never waits for it. With no reader the worker
+        makes no records at all. Iteration stops when the stream is closed or
+        the engine closes; it raises ``EngineDeadError`` if the engine dies.
+        ``run_on_engine`` remains the way to run code between two steps.
+
+        Raises:
+            ValueError: ``buffer`` < 1.
+            EngineClosedError: the engine is closed.
+        """
+        self._check_open()
+        if buffer < 1:
+            raise ValueError(f"buffer must be at least 1, got {buffer}")
+        return StepStream(self._worker.steps, buffer)
 
     def stats(self) -> EngineStats:
         """Take a snapshot of the engine's counters, without waiting for the worker.

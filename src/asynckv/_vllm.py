@@ -11,7 +11,8 @@ and ``shutdown_core`` run on the worker thread; ``engine_processes``,
 ``has_core_process`` and ``watch_outputs`` right after the engine is built
 (also on the worker); ``unblock_step`` and ``fail_utility_calls`` on the
 watchdog thread; the output helpers (``final_abort_output``, ``copy_delta``,
-``merge_delta``, ``request_stat``) on the stream's event loop.
+``merge_delta``, ``request_stat``) on the stream's event loop; ``tap_steps``
+and its ``StepTap`` on the worker (inside ``step()``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.v1.engine import FinishReason
+from vllm.v1.engine import EngineCoreEventType, FinishReason
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "EngineLike",
+    "StepTap",
     "VllmEngineDeadError",
     "abort_outputs",
     "copy_delta",
@@ -48,6 +50,7 @@ __all__ = (
     "request_stat",
     "resume_core_scheduler",
     "shutdown_core",
+    "tap_steps",
     "unblock_step",
     "watch_outputs",
     "with_completions",
@@ -191,6 +194,73 @@ def watch_outputs(engine: EngineLike, arrived: Callable[[], None]) -> Callable[[
     # vLLM's thread calls put_nowait, which calls self.put: this instance's attribute.
     setattr(outputs, "put", put_and_tell)  # noqa: B010 (mypy forbids assigning a method)
     return lambda: outputs.qsize() > 0
+
+
+class StepTap:
+    """What one step's output processing saw (written and read on the worker thread)."""
+
+    __slots__ = ("preemptions", "prefill", "requests", "running", "seen", "tokens", "waiting")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last step."""
+        self.seen = False
+        self.requests = self.tokens = self.prefill = 0
+        self.preemptions: int | None = None
+        self.running: int | None = None
+        self.waiting: int | None = None
+
+
+def tap_steps(engine: EngineLike, listening: Callable[[], bool]) -> StepTap:
+    """Count what each ``step()`` hands to vLLM's output processor, while ``listening()``.
+
+    Wraps the instance's ``process_outputs`` (called once per step with the
+    core's ``EngineCoreOutput`` list, in-process and multiprocess alike) and
+    ``update_scheduler_stats`` (the scheduler's counts, when stats are on).
+    Installed on the worker thread when the first reader appears, and left
+    in place: with no reader it costs one call of ``listening`` per step.
+    Where this vLLM lacks them, the tap stays unseen and the record falls
+    back to what ``step()`` returned.
+    """
+    tap = StepTap()
+    processor = getattr(engine, "output_processor", None)
+    process = getattr(processor, "process_outputs", None)
+    if process is None:
+        return tap
+    states = getattr(processor, "request_states", {})
+    preempted = EngineCoreEventType.PREEMPTED
+    stats_on = bool(getattr(engine, "log_stats", False))
+
+    def counting(core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if listening():
+            tokens = prefill = preemptions = 0
+            for out in core_outputs:
+                tokens += len(out.new_token_ids)
+                state = states.get(out.request_id)
+                if state is not None and getattr(state, "is_prefilling", False):
+                    prefill += 1
+                if out.events:
+                    preemptions += sum(1 for event in out.events if event.type == preempted)
+            tap.seen = True
+            tap.requests, tap.tokens, tap.prefill = len(core_outputs), tokens, prefill
+            # vLLM records request events (preemptions among them) only with stats on.
+            tap.preemptions = preemptions if stats_on else None
+        return process(core_outputs, *args, **kwargs)
+
+    setattr(processor, "process_outputs", counting)  # noqa: B010 (an instance's method)
+    update = getattr(processor, "update_scheduler_stats", None)
+    if update is not None:
+
+        def scheduler(stats: Any) -> Any:
+            if stats is not None and listening():
+                tap.running = getattr(stats, "num_running_reqs", None)
+                tap.waiting = getattr(stats, "num_waiting_reqs", None)
+            return update(stats)
+
+        setattr(processor, "update_scheduler_stats", scheduler)  # noqa: B010
+    return tap
 
 
 def exit_status(code: int | None) -> str:

@@ -36,6 +36,7 @@ from ._errors import EngineClosedError, EngineDeadError
 from ._inbox import Inbox
 from ._log import emit
 from ._registry import Life, Registry
+from ._steps import StepHub
 from ._vllm import (
     EngineLike,
     engine_processes,
@@ -46,6 +47,8 @@ from ._vllm import (
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
+
+    from ._loops import Loop
 
 
 __all__ = ("Worker",)
@@ -63,6 +66,8 @@ class Worker:
         self.registry = Registry(self.inbox)
         self.counters = Counters()
         """Written by the worker only; read by anyone (``snapshot``)."""
+        self.steps = StepHub()
+        """The readers of ``engine.steps()``: a record per step while there are any."""
         self._build = build
         self._freeze_gc = freeze_gc
         self._processes: list[BaseProcess] = []
@@ -134,6 +139,7 @@ class Worker:
             return False
         outbox = Outbox()
         ended.fail(outbox)
+        self.steps.end(error, outbox)
         outbox.flush()
         return True
 
@@ -240,10 +246,15 @@ class Worker:
 
     def _step(self, engine: EngineLike, outbox: Outbox) -> None:
         counters = self.counters
+        feeds = self.steps.feeds  # nobody listening: no telemetry at all
+        if feeds:
+            self.steps.before(engine)
         began = counters.in_step_since = time.perf_counter()
         outputs = engine.step()
         counters.in_step_since = None
         counters.count_step(began)
+        if feeds:
+            self.steps.after(counters.steps, outputs, outbox)
         delivered, finished = self.registry.dispatch(outputs, outbox)
         counters.outputs_delivered += delivered
         counters.requests_finished += finished
@@ -259,11 +270,15 @@ class Worker:
         now, not at a step that may never come.
         """
         for loop in outbox.flush():
-            self._applier.forget_loop(engine, loop)
+            self._forget(engine, loop)
         if self.registry.control.drains and not engine.has_unfinished_requests():
             self._applier.change(engine, outbox, lambda c: c.drained(), None)
             for loop in outbox.flush():
-                self._applier.forget_loop(engine, loop)
+                self._forget(engine, loop)
+
+    def _forget(self, engine: EngineLike, loop: Loop) -> None:
+        self._applier.forget_loop(engine, loop)
+        self.steps.forget(loop)
 
 
 def _freeze_heap() -> None:
