@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -277,10 +278,15 @@ async def run_asyncllm(
 
 
 async def run_asynckv(
-    engine: AsyncEngine, work: Workload, concurrency: int, per_output: Any = None
+    engine: AsyncEngine,
+    work: Workload,
+    concurrency: int,
+    per_output: Any = None,
+    interval: float | None = None,
 ) -> Run:
     def submit(rid: str, prompt: list[int], params: SamplingParams) -> Any:
-        return engine.generate(TokensPrompt(prompt_token_ids=prompt), params, rid)
+        prompt_ = TokensPrompt(prompt_token_ids=prompt)
+        return engine.generate(prompt_, params, rid, stream_interval=interval)
 
     return await _drive("asynckv", concurrency, work, submit, per_output)
 
@@ -328,7 +334,7 @@ def medians(runs: list[Run]) -> dict[str, float]:
 # -- main ------------------------------------------------------------------------------
 
 
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or str(tiny_model())
     settings: dict[str, Any] = {
         "model": model,
@@ -346,13 +352,43 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         settings["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.enforce_eager:
         settings["enforce_eager"] = True
-    print(f"building engines for {model} ...", file=sys.stderr)
-    raw = LLMEngine.from_engine_args(EngineArgs(**settings))
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
-    kv = AsyncEngine.from_engine_args(EngineArgs(**settings))
-    await kv.start()
-    vocab = raw.model_config.get_vocab_size()
-    work = make_workload(
+    return settings
+
+
+def interval_driver(args: argparse.Namespace) -> str | None:
+    """The name of the asynckv driver with a stream interval (--stream-interval), if any."""
+    return None if args.stream_interval is None else f"asynckv_i{args.stream_interval:g}"
+
+
+class Engines:
+    """The drivers' engines, all in this process (the shared mode)."""
+
+    def __init__(self, settings: dict[str, Any], args: argparse.Namespace) -> None:
+        self.settings, self.args = settings, args
+
+    async def start(self) -> int:
+        self.raw = LLMEngine.from_engine_args(EngineArgs(**self.settings))
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings))
+        self.kv = AsyncEngine.from_engine_args(EngineArgs(**self.settings))
+        await self.kv.start()
+        vocab: int = self.raw.model_config.get_vocab_size()
+        self.work = workload_for(self.args, vocab)
+        for driver in ("raw", "asyncllm", "asynckv"):  # warm: first steps compile, allocate
+            await self.run(driver, 4)
+        return vocab
+
+    async def run(self, driver: str, n: int) -> Run:
+        return await run_driver(driver, n, self.work, self.args, self.raw, self.llm, self.kv)
+
+    async def close(self) -> None:
+        await self.kv.aclose()
+        self.llm.shutdown()
+        self.raw.engine_core.shutdown()
+
+
+def workload_for(args: argparse.Namespace, vocab: int) -> Workload:
+    """The same workload in every process: it depends on the arguments and the vocabulary only."""
+    return make_workload(
         max(*args.concurrency, 4),
         args.output_len,
         vocab,
@@ -360,32 +396,142 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         detokenize=not args.skip_tokenizer_init,
     )
 
+
+async def run_driver(
+    driver: str,
+    n: int,
+    work: Workload,
+    args: argparse.Namespace,
+    raw: LLMEngine | None,
+    llm: AsyncLLM | None,
+    kv: AsyncEngine | None,
+) -> Run:
+    """One repetition of ``driver`` at ``n`` streams, on the engines given."""
+    if driver == "raw":
+        assert raw is not None
+        return run_raw(raw, work, n)
+    if driver == "asyncllm":
+        assert llm is not None
+        return await run_asyncllm(llm, work, n)
+    assert kv is not None
+    if driver == SWITCH_DRIVER:
+        default = sys.getswitchinterval()
+        sys.setswitchinterval(args.switch_interval / 1e3)
+        try:
+            run = await run_asynckv(kv, work, n)
+        finally:
+            sys.setswitchinterval(default)
+    elif driver == interval_driver(args):
+        run = await run_asynckv(kv, work, n, interval=args.stream_interval / 1e3)
+    else:
+        run = await run_asynckv(kv, work, n)
+    run.driver = driver
+    return run
+
+
+def _driver_process(
+    kind: str, settings: dict[str, Any], args: argparse.Namespace, conn: Any
+) -> None:
+    """A process of one engine: builds it, warms it, then runs what the parent asks."""
+    asyncio.run(_serve_driver(kind, settings, args, conn))
+
+
+async def _serve_driver(
+    kind: str, settings: dict[str, Any], args: argparse.Namespace, conn: Any
+) -> None:
+    raw = llm = kv = None
+    if kind == "raw":
+        raw = LLMEngine.from_engine_args(EngineArgs(**settings))
+        vocab = raw.model_config.get_vocab_size()
+    elif kind == "asyncllm":
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
+        vocab = llm.model_config.get_vocab_size()
+    else:
+        kv = AsyncEngine.from_engine_args(EngineArgs(**settings))
+        await kv.start()
+        vocab = (await kv.run_on_engine(lambda e: e.model_config)).get_vocab_size()
+    work = workload_for(args, vocab)
+    await run_driver(kind, 4, work, args, raw, llm, kv)
+    conn.send(("ready", vocab))
+    try:
+        while True:
+            message = conn.recv()  # between runs: nothing else to do on this loop
+            if message is None:
+                break
+            driver, n = message
+            conn.send(await run_driver(driver, n, work, args, raw, llm, kv))
+    finally:
+        if kv is not None:
+            await kv.aclose()
+        if llm is not None:
+            llm.shutdown()
+        if raw is not None:
+            raw.engine_core.shutdown()
+
+
+class Processes:
+    """Each driver's engine in a process of its own (the separate mode): no shared GIL or GC."""
+
+    def __init__(self, settings: dict[str, Any], args: argparse.Namespace) -> None:
+        import multiprocessing
+
+        self._ctx = multiprocessing.get_context("spawn")
+        self.settings, self.args = settings, args
+        self._procs: dict[str, tuple[Any, Any]] = {}
+
+    async def start(self) -> int:
+        vocab = 0
+        # One at a time: engine starts compete for memory and (on a GPU) compile caches.
+        for kind in ("raw", "asyncllm", "asynckv"):
+            parent, child = self._ctx.Pipe()
+            proc = self._ctx.Process(
+                target=_driver_process, args=(kind, self.settings, self.args, child), daemon=False
+            )
+            proc.start()
+            self._procs[kind] = (proc, parent)
+            status, vocab = await asyncio.to_thread(parent.recv)
+            assert status == "ready"
+        return vocab
+
+    async def run(self, driver: str, n: int) -> Run:
+        kind = "asynckv" if driver.startswith("asynckv") else driver
+        _, conn = self._procs[kind]
+        conn.send((driver, n))
+        run: Run = await asyncio.to_thread(conn.recv)
+        return run
+
+    async def close(self) -> None:
+        for _proc, conn in self._procs.values():
+            with contextlib.suppress(Exception):
+                conn.send(None)
+        for proc, _ in self._procs.values():
+            await asyncio.to_thread(proc.join, 60)
+            if proc.is_alive():
+                proc.kill()
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    settings = engine_settings(args)
+    model = settings["model"]
+    print(f"building engines for {model} ({args.mode} mode) ...", file=sys.stderr)
+    engines: Engines | Processes = (
+        Processes(settings, args) if args.mode == "separate" else Engines(settings, args)
+    )
     drivers = [*DRIVERS, *([SWITCH_DRIVER] if args.switch_interval is not None else [])]
+    if interval_driver(args) is not None:
+        drivers.append(interval_driver(args))  # type: ignore[arg-type]
     results: dict[str, Any] = {
         "settings": vars(args) | {"model": model},
         "drivers": drivers,
         "main": {},
     }
     try:
-        # Warm every engine (first steps compile and allocate) before measuring.
-        run_raw(raw, work, 4)
-        await run_asyncllm(llm, work, 4)
-        await run_asynckv(kv, work, 4)
+        await engines.start()
         for n in args.concurrency:
             runs: dict[str, list[Run]] = {d: [] for d in drivers}
             for rep in range(args.reps):
-                runs["raw"].append(run_raw(raw, work, n))
-                runs["asyncllm"].append(await run_asyncllm(llm, work, n))
-                runs["asynckv"].append(await run_asynckv(kv, work, n))
-                if args.switch_interval is not None:
-                    default = sys.getswitchinterval()
-                    sys.setswitchinterval(args.switch_interval / 1e3)
-                    try:
-                        run = await run_asynckv(kv, work, n)
-                    finally:
-                        sys.setswitchinterval(default)
-                    run.driver = SWITCH_DRIVER
-                    runs[SWITCH_DRIVER].append(run)
+                for driver in drivers:
+                    runs[driver].append(await engines.run(driver, n))
                 print(f"  c={n} rep={rep + 1}/{args.reps} done", file=sys.stderr)
             results["main"][str(n)] = {d: medians(r) for d, r in runs.items()}
             results["main"][str(n)]["raw"].update(
@@ -394,13 +540,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             # Keep what is measured so far: a run cut short still leaves its sizes.
             save_json(results, args.out)
             print(ratio_table(results), file=sys.stderr)
-        results["consumers"] = (
-            {} if args.no_consumers else await consumer_workloads(llm, kv, work, args)
-        )
+        if args.no_consumers or not isinstance(engines, Engines):
+            results["consumers"] = {}
+        else:
+            results["consumers"] = await consumer_workloads(
+                engines.llm, engines.kv, engines.work, args
+            )
     finally:
-        await kv.aclose()
-        llm.shutdown()
-        raw.engine_core.shutdown()
+        await engines.close()
     return results
 
 
@@ -511,7 +658,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             [results["main"][str(n)][d]["tok_per_s"] for n in ns],
             "o-",
             label=d,
-            color=COLORS[d],
+            color=COLORS.get(d, "C4"),
         )
         if d != "raw":
             right.plot(
@@ -519,7 +666,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 [results["main"][str(n)][d]["lag_p99_ms"] for n in ns],
                 "o-",
                 label=d,
-                color=COLORS[d],
+                color=COLORS.get(d, "C4"),
             )
     for ax, title, unit in (
         (left, "throughput", "output tokens/s"),
@@ -562,6 +709,20 @@ def main() -> None:
     gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile")
     parser.add_argument(
         "--no-consumers", action="store_true", help="skip the busy/slow consumer workloads"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("shared", "separate"),
+        default="shared",
+        help="shared: every driver's engine in this process; separate: each in a process "
+        "of its own (own GIL, own garbage collector; no consumer workloads)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="also run asynckv with generate(..., stream_interval=MS / 1000)",
     )
     parser.add_argument(
         "--switch-interval",

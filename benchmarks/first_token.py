@@ -1,4 +1,4 @@
-"""Where a request's first token waits: generate() -> inbox -> add_request -> core -> loop -> consumer.
+"""Where a first token waits: generate() -> inbox -> add_request -> core -> loop -> consumer.
 
 Runs bursts of N streams through asynckv (and the raw ``LLMEngine`` loop
 for the engine-side phases) and stamps every request at each hand-off, by
@@ -25,6 +25,8 @@ import uuid
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import itertools
 
 from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -57,7 +59,7 @@ class Stamps:
             if not all(k in marks for k in order):
                 continue
             t = [marks[k] for k in order]
-            for name, (a, b) in zip(PHASES, zip(t, t[1:], strict=False), strict=False):
+            for name, (a, b) in zip(PHASES, itertools.pairwise(t), strict=False):
                 out[name].append((b - a) * 1e3)
             out["ttft"].append((marks["received"] - marks["call"]) * 1e3)
         return out
@@ -73,7 +75,7 @@ def instrument(kv: AsyncEngine, llm: Any, stamps: Stamps) -> None:
         stamps.mark(request_id, "submitted")
         return stream
 
-    kv.generate = gen  # type: ignore[method-assign]
+    kv.generate = gen  # type: ignore[method-assign,assignment]
     inbox = kv._worker.inbox
     take = inbox.take
 
