@@ -65,7 +65,9 @@ class AsyncEnginePool(PoolControl):
     The pool owns its engines: ``start()`` starts them all, ``aclose()`` closes
     them all. Build one with ``AsyncEnginePool.from_engine_args([...])`` or
     around engines you made, ``AsyncEnginePool([engine, ...])``. Reset, pause,
-    ``stats`` and ``check_health`` come from ``PoolControl``.
+    ``stats`` and ``check_health`` come from ``PoolControl``. Step telemetry is
+    per engine: ``pool.engines[i].steps()``; ``generate(..., stream_interval=s)``
+    passes through to the engine that takes the request.
     """
 
     def __init__(
