@@ -1,8 +1,8 @@
 """Benchmark asynckv against the raw LLMEngine loop and vLLM's AsyncLLM.
 
 One invocation builds one engine per driver from the same EngineArgs, then
-sends the same workload through each, repetitions interleaved (raw, AsyncLLM,
-asynckv, raw, ...), and reports medians: output tokens/s, TTFT, inter-token
+sends the same workload through each, repetitions interleaved with the order rotated
+each repetition (raw, AsyncLLM, asynckv; AsyncLLM, asynckv, raw; ...), and reports medians: output tokens/s, TTFT, inter-token
 latency, event-loop lag, main-process CPU per 1,000 output tokens and RSS growth during the run.
 It writes a JSON file and a PNG plot and prints the ratios asynckv / raw and
 asynckv / AsyncLLM.
@@ -530,7 +530,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.concurrency:
             runs: dict[str, list[Run]] = {d: [] for d in drivers}
             for rep in range(args.reps):
-                for driver in drivers:
+                # Rotate the order each repetition, so that no driver always runs
+                # first (cold caches) or right after another (its leftover work).
+                shift = rep % len(drivers)
+                for driver in drivers[shift:] + drivers[:shift]:
                     runs[driver].append(await engines.run(driver, n))
                 print(f"  c={n} rep={rep + 1}/{args.reps} done", file=sys.stderr)
             results["main"][str(n)] = {d: medians(r) for d, r in runs.items()}
