@@ -257,7 +257,8 @@ def _label(driver: str) -> str:
 
 def facade_share(row: dict[str, Any], driver: str) -> float:
     """What ``driver`` spends per token beyond the raw loop, over what it spends."""
-    return 1.0 - row["raw"]["cpu_s_per_1k_tok"] / row[driver]["cpu_s_per_1k_tok"]
+    raw: float = row["raw"]["cpu_s_per_1k_tok"]
+    return 1.0 - raw / float(row[driver]["cpu_s_per_1k_tok"])
 
 
 def curve_table(bench: dict[str, Any]) -> str:
