@@ -136,10 +136,18 @@ async def _kv_burst(
     return accepted, admitted
 
 
-async def submission(kv: asynckv.AsyncEngine, prompts: list[Any], reps: int) -> dict[str, Any]:
+def _params(detokenize: bool, max_tokens: int = 16) -> Any:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16)
+    return SamplingParams(
+        temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=detokenize
+    )
+
+
+async def submission(
+    kv: asynckv.AsyncEngine, prompts: list[Any], reps: int, detokenize: bool
+) -> dict[str, Any]:
+    params = _params(detokenize)
     raw: list[float] = []
     accepted: list[float] = []
     admitted: list[float] = []
@@ -190,10 +198,10 @@ def _by_owner(now: tracemalloc.Snapshot, base: tracemalloc.Snapshot) -> dict[str
     return owners
 
 
-async def memory(kv: asynckv.AsyncEngine, prompts: list[Any], n: int) -> dict[str, Any]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16)
+async def memory(
+    kv: asynckv.AsyncEngine, prompts: list[Any], n: int, detokenize: bool
+) -> dict[str, Any]:
+    params = _params(detokenize)
     ids = [f"mem-{n}-{i}" for i in range(n)]
     await kv.pause_generation(mode="abort", clear_cache=False)
     gc.collect()
@@ -224,19 +232,18 @@ async def memory(kv: asynckv.AsyncEngine, prompts: list[Any], n: int) -> dict[st
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import SamplingParams
-
     kv = _build(args)
+    detokenize = not args.load_format
     try:
         vocab = (await kv.run_on_engine(lambda e: e.model_config)).get_vocab_size()
         prompts = _prompts(max(args.requests, *args.memory_sizes), vocab)
-        await _kv_burst(kv, prompts[:64], SamplingParams(max_tokens=4), -1)  # warm-up
+        await _kv_burst(kv, prompts[:64], _params(detokenize, 4), -1)  # warm-up
         result: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
         result["load_before"] = os.getloadavg()
-        result["submission"] = await submission(kv, prompts[: args.requests], args.reps)
+        result["submission"] = await submission(kv, prompts[: args.requests], args.reps, detokenize)
         result["memory"] = {}
         for n in args.memory_sizes:
-            result["memory"][str(n)] = await memory(kv, prompts, n)
+            result["memory"][str(n)] = await memory(kv, prompts, n, detokenize)
             print(f"  memory at {n}: {json.dumps(result['memory'][str(n)])}", flush=True)
         result["load_after"] = os.getloadavg()
         return result
@@ -386,7 +393,7 @@ def main() -> None:
     m.add_argument("--reps", type=int, default=5)
     m.add_argument("--memory-sizes", type=int, nargs="+", default=[1_000, 10_000])
     m.add_argument("--model", default=None, help="checkpoint (default: the tiny model)")
-    m.add_argument("--load-format", default=None, help="e.g. dummy (implies no tokenizer)")
+    m.add_argument("--load-format", default=None, help="e.g. dummy: random weights, no tokenizer")
     m.add_argument("--gpu-memory-utilization", type=float, default=None)
     m.add_argument("--out", type=Path, default=Path("results/cost"))
     p = sub.add_parser("plot", help="the curve from a bench.py JSON, and the tables")
