@@ -334,7 +334,7 @@ def cost_tables(cost: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(bench: dict[str, Any], path: Path) -> None:
+def plot(bench: dict[str, Any], path: Path, cost: dict[str, Any] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -344,7 +344,9 @@ def plot(bench: dict[str, Any], path: Path) -> None:
     rows = [bench["main"][str(n)] for n in ns]
     drivers = bench["drivers"]
     colors = {"raw": "C0", "asyncllm": "C1", "asynckv": "C2"}
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    columns = 3 if cost is None else 4
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 8))
+    axes = axes.T  # fill column by column: axes.flat[k] keeps its place with 3 or 4 columns
     panels: list[tuple[str, str, str, bool]] = [
         ("tok_per_s", "throughput", "output tokens/s", False),
         ("ttft_p50_ms", "TTFT p50", "ms", True),
@@ -356,26 +358,56 @@ def plot(bench: dict[str, Any], path: Path) -> None:
             if key == "lag_p99_ms" and d == "raw":
                 continue
             ax.plot(ns, [r[d][key] for r in rows], "o-", label=_label(d), color=colors.get(d, "C3"))
-        _axes(ax, title, unit, logy)
+        _axes(ax, title, unit, logy, ns)
     share = axes.flat[4]
     for d in drivers:
         if d != "raw":
             ys = [facade_share(r, d) for r in rows]
             share.plot(ns, ys, "o-", label=_label(d), color=colors.get(d, "C3"))
-    _axes(share, "facade share of main-process CPU (1 - raw / driver)", "share", False)
+    _axes(share, "facade share of main-process CPU (1 - raw / driver)", "share", False, ns)
     threads = axes.flat[5]
     for role, style in (("main", "o-"), ("worker", "s-"), ("vllm_io", "^-")):
         ys = [r["asynckv"][f"cpu_share_{role}"] for r in rows]
         threads.plot(ns, ys, style, label=f"asynckv {role} thread", color="C2")
     ys = [r["asyncllm"]["cpu_share_main"] for r in rows]
     threads.plot(ns, ys, "o--", label="AsyncLLM main thread", color="C1")
-    _axes(threads, "share of a core, per thread", "core share", False)
+    _axes(threads, "share of a core, per thread", "core share", False, ns)
+    if cost is not None:
+        _plot_cost(axes.flat[6], axes.flat[7], cost)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
-def _axes(ax: Any, title: str, unit: str, logy: bool) -> None:
+def _plot_cost(memory_ax: Any, submit_ax: Any, cost: dict[str, Any]) -> None:
+    n = max(cost["memory"], key=int)
+    phases = cost["memory"][n]
+    owners = (("asynckv", "C2"), ("vllm_client", "C0"), ("vllm_core", "C7"), ("other", "C5"))
+    bottom = [0.0] * len(phases)
+    for owner, color in owners:
+        heights = [p[owner] for p in phases.values()]
+        memory_ax.bar(list(phases), heights, bottom=bottom, label=owner, color=color)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    memory_ax.set_title(f"Python memory per request, {int(n):,} requests", fontsize=10)
+    memory_ax.set_ylabel("bytes per request")
+    memory_ax.legend(fontsize=7)
+    memory_ax.grid(True, axis="y", alpha=0.3)
+    sub = cost["submission"]
+    med = sub["median"]
+    bars = {
+        "raw add_request": med["raw_add_s"],
+        "asynckv accepted": med["asynckv_accepted_s"],
+        "asynckv admitted": med["asynckv_admitted_s"],
+    }
+    submit_ax.bar(list(bars), list(bars.values()), color=["C0", "C2", "C2"])
+    submit_ax.set_title(f"submitting {sub['requests']:,} requests (median)", fontsize=10)
+    submit_ax.set_ylabel("s")
+    submit_ax.grid(True, axis="y", alpha=0.3)
+
+
+def _axes(ax: Any, title: str, unit: str, logy: bool, ns: list[int]) -> None:
     ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [f"{n:,}" for n in ns])
+    ax.minorticks_off()
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel("concurrent streams")
@@ -411,11 +443,12 @@ def main() -> None:
         return
     bench = json.loads(args.bench.read_text())
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(bench, args.out)
+    cost = None if args.cost is None else json.loads(args.cost.read_text())
+    plot(bench, args.out, cost)
     print(curve_table(bench))
-    if args.cost is not None:
+    if cost is not None:
         print()
-        print(cost_tables(json.loads(args.cost.read_text())))
+        print(cost_tables(cost))
     print(f"wrote {args.out}")
 
 
