@@ -224,10 +224,15 @@ async def memory(
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
-    out = {}
+    out: dict[str, Any] = {}
     for phase, snap in (("parked", parked), ("admitted", admitted), ("after", after)):
         owners = _by_owner(snap, base)
         out[phase] = {k: v / n for k, v in owners.items()}  # bytes per request
+    # What is still there once every request has ended: where it was allocated.
+    out["after_top"] = [
+        f"{d.traceback[-1].filename}:{d.traceback[-1].lineno} {d.size_diff:+,} B"
+        for d in after.compare_to(base, "lineno")[:8]
+    ]
     return out
 
 
@@ -240,7 +245,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         await _kv_burst(kv, prompts[:64], _params(detokenize, 4), -1)  # warm-up
         result: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
         result["load_before"] = os.getloadavg()
-        result["submission"] = await submission(kv, prompts[: args.requests], args.reps, detokenize)
+        if args.reps:
+            result["submission"] = await submission(
+                kv, prompts[: args.requests], args.reps, detokenize
+            )
         result["memory"] = {}
         for n in args.memory_sizes:
             result["memory"][str(n)] = await memory(kv, prompts, n, detokenize)
@@ -304,7 +312,24 @@ def _join(row: dict[str, Any], drivers: list[str], key: str, fmt: str) -> str:
 
 
 def cost_tables(cost: dict[str, Any]) -> str:
-    sub = cost["submission"]
+    lines = _submission_table(cost["submission"]) if "submission" in cost else []
+    lines += [
+        "",
+        "| requests | state | asynckv | vLLM client side | vLLM engine core | other | total |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n, phases in cost["memory"].items():
+        for phase in ("parked", "admitted", "after"):
+            owners = phases[phase]
+            total = sum(v for k, v in owners.items() if k != "harness")
+            cells = " | ".join(
+                f"{owners[k]:,.0f}" for k in ("asynckv", "vllm_client", "vllm_core", "other")
+            )
+            lines.append(f"| {int(n):,} | {phase} | {cells} | {total:,.0f} |")
+    return "\n".join(lines)
+
+
+def _submission_table(sub: dict[str, Any]) -> list[str]:
     med = sub["median"]
     lines = [
         f"| {sub['requests']:,} requests, median of {len(sub['raw_add_s'])} | seconds "
@@ -319,19 +344,7 @@ def cost_tables(cost: dict[str, Any]) -> str:
         s = med[key]
         us = s / sub["requests"] * 1e6
         lines.append(f"| {what} | {s:.3f} | {us:.1f} | {s / med['raw_add_s']:.2f} |")
-    lines += [
-        "",
-        "| requests | state | asynckv | vLLM client side | vLLM engine core | other | total |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for n, phases in cost["memory"].items():
-        for phase, owners in phases.items():
-            total = sum(v for k, v in owners.items() if k != "harness")
-            cells = " | ".join(
-                f"{owners[k]:,.0f}" for k in ("asynckv", "vllm_client", "vllm_core", "other")
-            )
-            lines.append(f"| {int(n):,} | {phase} | {cells} | {total:,.0f} |")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(bench: dict[str, Any], path: Path, cost: dict[str, Any] | None = None) -> None:
@@ -380,12 +393,17 @@ def plot(bench: dict[str, Any], path: Path, cost: dict[str, Any] | None = None) 
 
 def _plot_cost(memory_ax: Any, submit_ax: Any, cost: dict[str, Any]) -> None:
     n = max(cost["memory"], key=int)
-    phases = cost["memory"][n]
-    owners = (("asynckv", "C2"), ("vllm_client", "C0"), ("vllm_core", "C7"), ("other", "C5"))
+    phases = {k: v for k, v in cost["memory"][n].items() if k != "after_top"}
+    owners = (
+        ("asynckv", "asynckv", "C2"),
+        ("vllm_client", "vLLM client side", "C0"),
+        ("vllm_core", "vLLM engine core", "C7"),
+        ("other", "other", "C5"),
+    )
     bottom = [0.0] * len(phases)
-    for owner, color in owners:
+    for owner, label, color in owners:
         heights = [p[owner] for p in phases.values()]
-        memory_ax.bar(list(phases), heights, bottom=bottom, label=owner, color=color)
+        memory_ax.bar(list(phases), heights, bottom=bottom, label=label, color=color)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     memory_ax.set_title(f"Python memory per request, {int(n):,} requests", fontsize=10)
     memory_ax.set_ylabel("bytes per request")
