@@ -136,6 +136,25 @@ async def _kv_burst(
     return accepted, admitted
 
 
+async def _parked_burst(
+    kv: asynckv.AsyncEngine, prompts: list[Any], params: Any, rep: int
+) -> tuple[float, float]:
+    """Park a burst during a pause, then abort it: (seconds to park, seconds to abort)."""
+    ids = [f"parked-{rep}-{i}" for i in range(len(prompts))]
+    await kv.pause_generation(mode="abort", clear_cache=False)
+    began = time.perf_counter()
+    streams = [kv.generate(p, params, rid) for rid, p in zip(ids, prompts, strict=True)]
+    await kv.run_on_engine(lambda e: None)
+    parked = time.perf_counter() - began
+    began = time.perf_counter()
+    await kv.abort(ids)
+    aborted = time.perf_counter() - began
+    await kv.resume_generation()
+    for stream in streams:
+        await stream
+    return parked, aborted
+
+
 def _params(detokenize: bool, max_tokens: int = 16) -> Any:
     from vllm import SamplingParams
 
@@ -145,33 +164,32 @@ def _params(detokenize: bool, max_tokens: int = 16) -> Any:
 
 
 async def submission(
-    kv: asynckv.AsyncEngine, prompts: list[Any], reps: int, detokenize: bool
+    kv: asynckv.AsyncEngine, prompts: list[Any], reps: int, detokenize: bool, parked: bool
 ) -> dict[str, Any]:
     params = _params(detokenize)
-    raw: list[float] = []
-    accepted: list[float] = []
-    admitted: list[float] = []
+    runs: dict[str, list[float]] = {
+        "raw_add_s": [],
+        "asynckv_accepted_s": [],
+        "asynckv_admitted_s": [],
+    }
+    if parked:
+        runs |= {"asynckv_parked_s": [], "asynckv_abort_parked_s": []}
     for rep in range(reps):
-        raw.append(await _raw_burst(kv, prompts, params))
+        runs["raw_add_s"].append(await _raw_burst(kv, prompts, params))
         a, b = await _kv_burst(kv, prompts, params, rep)
-        accepted.append(a)
-        admitted.append(b)
+        runs["asynckv_accepted_s"].append(a)
+        runs["asynckv_admitted_s"].append(b)
+        if parked:
+            c, d = await _parked_burst(kv, prompts, params, rep)
+            runs["asynckv_parked_s"].append(c)
+            runs["asynckv_abort_parked_s"].append(d)
         print(
-            f"  submission rep {rep + 1}/{reps}: raw {raw[-1]:.3f} s, asynckv "
-            f"accepted {a:.3f} s, admitted {b:.3f} s",
+            f"  submission rep {rep + 1}/{reps}: "
+            + json.dumps({k: v[-1] for k, v in runs.items()}),
             flush=True,
         )
-    return {
-        "requests": len(prompts),
-        "raw_add_s": raw,
-        "asynckv_accepted_s": accepted,
-        "asynckv_admitted_s": admitted,
-        "median": {
-            "raw_add_s": statistics.median(raw),
-            "asynckv_accepted_s": statistics.median(accepted),
-            "asynckv_admitted_s": statistics.median(admitted),
-        },
-    }
+    median = {k: statistics.median(v) for k, v in runs.items()}
+    return {"requests": len(prompts), **runs, "median": median}
 
 
 # -- memory ----------------------------------------------------------------------------
@@ -247,7 +265,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         result["load_before"] = os.getloadavg()
         if args.reps:
             result["submission"] = await submission(
-                kv, prompts[: args.requests], args.reps, detokenize
+                kv, prompts[: args.requests], args.reps, detokenize, args.parked
             )
         result["memory"] = {}
         for n in args.memory_sizes:
@@ -340,7 +358,11 @@ def _submission_table(sub: dict[str, Any]) -> list[str]:
         ("raw_add_s", "raw: `add_request` x N on the worker thread"),
         ("asynckv_accepted_s", "asynckv: N `generate()` calls return (accepted)"),
         ("asynckv_admitted_s", "asynckv: all N through `add_request` (admitted)"),
+        ("asynckv_parked_s", "asynckv, paused: N `generate()` calls parked"),
+        ("asynckv_abort_parked_s", "asynckv, paused: the N parked requests aborted"),
     ):
+        if key not in med:
+            continue
         s = med[key]
         us = s / sub["requests"] * 1e6
         lines.append(f"| {what} | {s:.3f} | {us:.1f} | {s / med['raw_add_s']:.2f} |")
@@ -442,6 +464,11 @@ def main() -> None:
     m.add_argument("--requests", type=int, default=10_000)
     m.add_argument("--reps", type=int, default=5)
     m.add_argument("--memory-sizes", type=int, nargs="+", default=[1_000, 10_000])
+    m.add_argument(
+        "--parked",
+        action="store_true",
+        help="also time parking the burst during a pause, and aborting it parked",
+    )
     m.add_argument("--model", default=None, help="checkpoint (default: the tiny model)")
     m.add_argument("--load-format", default=None, help="e.g. dummy: random weights, no tokenizer")
     m.add_argument("--gpu-memory-utilization", type=float, default=None)
