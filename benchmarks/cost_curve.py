@@ -457,6 +457,20 @@ def _axes(ax: Any, title: str, unit: str, logy: bool, ns: list[int]) -> None:
     ax.legend(fontsize=7)
 
 
+def merge(files: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Every bench.py JSON's sizes in one (the drivers all of them ran), and the cost JSON."""
+    benches = [f for f in files if "main" in f]
+    costs = [f for f in files if "memory" in f]
+    if not benches or len(costs) > 1 or len(benches) + len(costs) != len(files):
+        raise SystemExit("give one or more bench.py JSONs and at most one JSON of `measure`")
+    drivers = [d for d in benches[0]["drivers"] if all(d in b["drivers"] for b in benches)]
+    sizes: dict[str, Any] = {}
+    for b in benches:
+        sizes |= b["main"]
+    main = {n: {d: sizes[n][d] for d in drivers} for n in sorted(sizes, key=int)}
+    return {"drivers": drivers, "main": main}, (costs[0] if costs else None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -474,8 +488,13 @@ def main() -> None:
     m.add_argument("--gpu-memory-utilization", type=float, default=None)
     m.add_argument("--out", type=Path, default=Path("results/cost"))
     p = sub.add_parser("plot", help="the curve from a bench.py JSON, and the tables")
-    p.add_argument("bench", type=Path, help="a benchmarks/bench.py JSON")
-    p.add_argument("cost", type=Path, nargs="?", help="a JSON of `measure`")
+    p.add_argument(
+        "files",
+        type=Path,
+        nargs="+",
+        help="benchmarks/bench.py JSONs (their sizes merged; a later file's size wins) "
+        "and at most one JSON of `measure`",
+    )
     p.add_argument("--out", type=Path, default=Path("results/cost-curve.png"))
     args = parser.parse_args()
     if args.command == "measure":
@@ -486,9 +505,8 @@ def main() -> None:
         print(cost_tables(result))
         print(f"wrote {path}")
         return
-    bench = json.loads(args.bench.read_text())
+    bench, cost = merge([json.loads(path.read_text()) for path in args.files])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    cost = None if args.cost is None else json.loads(args.cost.read_text())
     plot(bench, args.out, cost)
     print(curve_table(bench))
     if cost is not None:
