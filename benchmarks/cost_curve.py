@@ -24,12 +24,12 @@ nothing while requests pile up), and writes a JSON file:
   core's process, not the caller's) and its client side (the rest: input and output
   processing, which stay in the caller's process in both modes).
 
-``plot`` draws the curve from a ``benchmarks/bench.py`` JSON (tok/s, TTFT p50, loop lag
-p99, CPU per 1,000 tokens and each thread's share, at every size it ran) and prints the
-tables of docs/performance.md. *Facade share* of the main process's CPU is what a driver
-spends per token beyond the raw ``LLMEngine`` loop, over what it spends: ``1 - raw /
-driver`` of the CPU seconds per 1,000 tokens (the engine's own client-side work, input
-and output processing, is in raw's figure and in every driver's).
+``plot`` draws the curve from ``benchmarks/bench.py`` JSONs, their sizes merged (tok/s,
+TTFT p50, loop lag p99, CPU per 1,000 tokens and each thread's share, at every size they
+ran), and prints the tables of docs/performance.md. *Facade share* of the main process's
+CPU is what a driver spends per token beyond the raw ``LLMEngine`` loop, over what it
+spends: ``1 - raw / driver`` of the CPU seconds per 1,000 tokens (the engine's own
+client-side work, input and output processing, is in raw's figure and in every driver's).
 
     python benchmarks/cost_curve.py measure --out results/cost
     python benchmarks/bench.py --mode separate --concurrency 1 16 64 256 1024 4096 \
