@@ -1,6 +1,7 @@
 """Print the markdown tables of a bench.py JSON file (as in docs/performance.md).
 
 python benchmarks/table.py results/bench.json
+python benchmarks/table.py --targets results/bench.json   # issue 16's table, against its targets
 """
 
 from __future__ import annotations
@@ -54,7 +55,55 @@ def gil_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def targets_table(results: dict[str, Any]) -> str:
+    """Issue 16's table: the figures its targets name, and the ``--stream-interval`` driver's."""
+    interval = next((d for d in results["drivers"] if d.startswith("asynckv_i")), None)
+    head = (
+        "| streams | tok/s raw / AsyncLLM / asynckv | TTFT p50 ms raw / AsyncLLM / asynckv "
+        "| TTFT p50 from the burst's start, ms | CPU s per 1k tok raw / AsyncLLM / asynckv "
+        "| loop lag p99 ms AsyncLLM / asynckv |"
+    )
+    rule = "| ---: | --- | --- | --- | --- | --- |"
+    if interval is not None:
+        head += (
+            f" `{interval}`: loop-thread core share asynckv -> it / lag p99 ms / tok/s vs "
+            "asynckv / fewest tokens of a repetition |"
+        )
+        rule += " --- |"
+    lines = [head, rule]
+    drivers = ("raw", "asyncllm", "asynckv")
+    for n, row in results["main"].items():
+
+        def three(key: str, fmt: str, row: dict[str, Any] = row) -> str:
+            return " / ".join(fmt.format(row[d][key]) for d in drivers)
+
+        al, kv = row["asyncllm"], row["asynckv"]
+        burst = three("ttft_burst_p50_ms", "{:,.1f}") if "ttft_burst_p50_ms" in kv else "-"
+        line = (
+            f"| {int(n):,} | {three('tok_per_s', '{:,.0f}')} | {three('ttft_p50_ms', '{:,.1f}')} "
+            f"| {burst} | {three('cpu_s_per_1k_tok', '{:.3f}')} "
+            f"| {al['lag_p99_ms']:.2f} / {kv['lag_p99_ms']:.2f} |"
+        )
+        if interval is not None:
+            it = row[interval]
+            fewest = (
+                f"{it['output_tokens_min']:,.0f}"
+                if "output_tokens_min" in it
+                else f"{it['output_tokens']:,.0f} (median)"
+            )
+            line += (
+                f" {kv['cpu_share_main']:.2f} -> {it['cpu_share_main']:.2f} "
+                f"/ {it['lag_p99_ms']:.2f} / {it['tok_per_s'] / kv['tok_per_s']:.3f} "
+                f"/ {fewest} |"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--targets":
+        print(targets_table(json.loads(Path(sys.argv[2]).read_text())))
+        sys.exit()
     data = json.loads(Path(sys.argv[1]).read_text())
     print(main_table(data))
     print()

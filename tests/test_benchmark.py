@@ -39,3 +39,46 @@ def test_benchmark_smallest_size(tmp_path: Path) -> None:
     assert results["consumers"]["slow_delta_20ms"]["asynckv"]["no_output_lost"]
     assert out.with_suffix(".png").stat().st_size > 0
     assert "kv/raw tok/s" in done.stdout
+
+
+def test_cost_curve_smallest_size(tmp_path: Path) -> None:
+    """`cost_curve.py measure` at its smallest size charges memory per request; `plot` draws it."""
+    script = str(ROOT / "benchmarks" / "cost_curve.py")
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "cost"
+    measure = ["measure", "--requests", "20", "--reps", "1", "--memory-sizes", "10"]
+    done = subprocess.run(
+        [sys.executable, script, *measure, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    cost = json.loads(out.with_suffix(".json").read_text())
+    assert cost["submission"]["requests"] == 20
+    memory = cost["memory"]["10"]
+    # Parked requests are the facade's alone; admitted ones cost vLLM too.
+    assert memory["parked"]["asynckv"] > 0
+    assert memory["parked"]["vllm_client"] == memory["parked"]["vllm_core"] == 0
+    assert memory["admitted"]["vllm_client"] > 0
+    png = tmp_path / "curve.png"
+    bench = ROOT / "docs" / "img" / "cpu-issue16-separate.json"
+    drawn = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "plot",
+            str(bench),
+            str(out.with_suffix(".json")),
+            "--out",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert drawn.returncode == 0, drawn.stderr[-4000:]
+    assert png.stat().st_size > 0
+    assert "facade share" in drawn.stdout

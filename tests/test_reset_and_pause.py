@@ -93,6 +93,20 @@ async def test_pause_abort_mode(engine: AsyncEngine) -> None:
     assert len((await waiting).outputs[0].token_ids) == 4
 
 
+async def test_one_abort_of_several_parked_requests(engine: AsyncEngine) -> None:
+    """One ``abort()`` of several parked ids ends exactly those; the others run on resume."""
+    await engine.pause_generation(mode="abort")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    streams = [engine.generate(f"parked {i}", params) for i in range(5)]
+    doomed = [streams[i].request_id for i in (0, 2, 3)]
+    await engine.abort([*doomed, "unknown", doomed[0]])
+    await engine.resume_generation()
+    outcomes = [(await s).outputs[0] for s in streams]
+    assert [o.finish_reason for o in outcomes] == ["abort", "length", "abort", "abort", "length"]
+    assert [len(o.token_ids) for o in outcomes] == [0, 4, 0, 0, 4]
+    assert await unfinished(engine) == 0
+
+
 async def test_pause_wait_mode(engine: AsyncEngine) -> None:
     """Mode "wait" returns once in-flight requests have finished normally."""
     running = engine.generate(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
