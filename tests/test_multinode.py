@@ -16,7 +16,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,9 @@ def _pythonpath() -> str:
 @pytest.fixture(scope="module")
 def single_node(model_path: Path) -> Iterator[AsyncEngine]:
     """The reference: the same model and arguments on one node, without tensor parallelism."""
+    began = time.monotonic()
     started = start_engine(engine_args(model_path, **SHARED))
+    _START_SECONDS["one node"] = time.monotonic() - began
     yield started
     started.shutdown()
 
@@ -152,12 +155,14 @@ def two_nodes(model_path: Path, headless: Headless) -> Iterator[AsyncEngine]:
         **SHARED,
     )
     before = {p.pid for p in psutil.Process().children()}
+    began = time.monotonic()
     with _environ(VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND="0"):
         try:
             started = start_engine(args)
         except BaseException:
             print(headless.log_tail())
             raise
+    _START_SECONDS["two nodes"] = time.monotonic() - began
     # This engine's processes only: other modules' engines share the session.
     _HEAD[:] = [p for p in psutil.Process().children() if p.pid not in before]
     yield started
@@ -166,6 +171,8 @@ def two_nodes(model_path: Path, headless: Headless) -> Iterator[AsyncEngine]:
 
 _HEAD: list[psutil.Process] = []
 """The head engine's own child processes (its engine core), set by ``two_nodes``."""
+_START_SECONDS: dict[str, float] = {}
+"""How long each engine's ``start()`` took (the headless node starts meanwhile)."""
 
 
 def _ranks(root: psutil.Process) -> list[psutil.Process]:
@@ -173,8 +180,11 @@ def _ranks(root: psutil.Process) -> list[psutil.Process]:
     return [p for p in root.children(recursive=True) if "Worker" in p.name()]
 
 
-async def test_engine_spans_two_nodes(two_nodes: AsyncEngine, headless: Headless) -> None:
+async def test_engine_spans_two_nodes(
+    two_nodes: AsyncEngine, headless: Headless, figures: Callable[[str], None]
+) -> None:
     """The engine has two ranks, one under the head's engine core and one in the headless node."""
+    figures(", ".join(f"{name} started in {s:.1f} s" for name, s in _START_SECONDS.items()))
     config = await two_nodes.run_on_engine(lambda e: e.vllm_config.parallel_config)
     assert (config.nnodes, config.world_size) == (2, 2)
     assert await two_nodes.collective_rpc("check_health") == [None, None]

@@ -42,7 +42,9 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ray_serve.py"
 TOKEN_VAR = "ASYNCKV_RAY_TEST"
-LONG = 400  # tokens: far more than a client that leaves early sees
+# Tokens: a stream that outlasts the test's steps (the tiny model makes ~100-200 a second).
+LONG = 1900
+MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings
 
 
 @dataclass
@@ -109,6 +111,9 @@ def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         ),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "RAY_USAGE_STATS_ENABLED": "0",
+        # A raylet adopts and kills the processes of a worker that died (here the engine
+        # processes of a killed replica); without it they outlive the replica.
+        "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "true",
     }
     port, http_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
@@ -121,39 +126,16 @@ def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "127.0.0.1",
     )
     made = Cluster(address, f"http://127.0.0.1:{http_port}", str(model_path), token, env, log, 0.0)
+    head = ["start", "--head", "--port", str(port), "--include-dashboard=false"]
+    vllm_flags = ["--model", str(model_path), "--max-model-len", str(MAX_MODEL_LEN)]
+    vllm_flags += ["--max-num-seqs", "32", "--seed", "0"]
     try:
-        _ray(
-            env,
-            log,
-            "start",
-            "--head",
-            "--port",
-            str(port),
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            *common,
-            VLLM_CPU_OMP_THREADS_BIND="0",
-        )
+        _ray(env, log, *head, "--disable-usage-stats", *common, VLLM_CPU_OMP_THREADS_BIND="0")
         _ray(env, log, "start", "--address", address, *common, VLLM_CPU_OMP_THREADS_BIND="1")
         began = time.monotonic()
         deployed = made.run(
-            sys.executable,
-            str(EXAMPLE),
-            "--address",
-            address,
-            "--replicas",
-            "2",
-            "--http-port",
-            str(http_port),
-            "--",
-            "--model",
-            str(model_path),
-            "--max-model-len",
-            "512",
-            "--max-num-seqs",
-            "32",
-            "--seed",
-            "0",
+            *(sys.executable, str(EXAMPLE), "--address", address, "--replicas", "2"),
+            *("--http-port", str(http_port), "--", *vllm_flags),
         )
         made.started_s = time.monotonic() - began
         assert deployed.returncode == 0, log.read_text()[-4000:]
@@ -176,15 +158,16 @@ def _completion(cluster: Cluster, prompt: str, max_tokens: int = 4) -> httpx.Res
     return response
 
 
-def _stats_of(cluster: Cluster, replica: str) -> dict[str, int]:
-    """``GET /stats`` until the given replica answers (requests without a prompt go by load)."""
+def _all_stats(cluster: Cluster, replicas: int = 2) -> dict[str, dict[str, int]]:
+    """``GET /stats`` until every replica answered (those go by load); each one's answer."""
+    seen: dict[str, dict[str, int]] = {}
     for _ in range(200):
         response = httpx.get(f"{cluster.url}/stats", timeout=60)
         assert response.status_code == 200, response.text
-        if _replica(response)[0] == replica:
-            stats: dict[str, int] = response.json()
-            return stats
-    pytest.fail(f"replica {replica} never answered /stats")
+        seen[_replica(response)[0]] = response.json()
+        if len(seen) == replicas:
+            return seen
+    pytest.fail(f"only replicas {sorted(seen)} answered /stats")
 
 
 def _replica_processes(cluster: Cluster) -> list[psutil.Process]:
@@ -197,15 +180,16 @@ def test_two_replicas_on_two_nodes(cluster: Cluster, figures: Callable[[str], No
     with openai.OpenAI(
         base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120.0
     ) as api:
-        done = api.completions.create(model=cluster.model, prompt="Hello", max_tokens=8)
+        done = api.completions.create(
+            model=cluster.model, prompt="Hello", max_tokens=8, temperature=0.0
+        )
         assert done.choices[0].finish_reason == "length"
         assert done.usage is not None and done.usage.completion_tokens == 8
-        chunks = [
-            chunk
-            for chunk in api.completions.create(
-                model=cluster.model, prompt="Hello", max_tokens=8, stream=True
+        chunks = list(
+            api.completions.create(
+                model=cluster.model, prompt="Hello", max_tokens=8, temperature=0.0, stream=True
             )
-        ]
+        )
         assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
     replicas = _replica_processes(cluster)
     assert len(replicas) == 2
@@ -234,23 +218,26 @@ def test_disconnect_aborts_in_the_replica(cluster: Cluster) -> None:
         "ignore_eos": True,
         "stream": True,
     }
+    before = _all_stats(cluster)
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200
+        assert response.status_code == 200, response.read()
         replica = _replica(response)[0]
-        before = _stats_of(cluster, replica)["requests_aborted"]
         chunks = 0
         for line in response.iter_lines():
             if line.startswith("data: "):
                 chunks += 1
                 if chunks == 3:
                     break  # leaving the block closes the connection
+    aborted = before[replica]["requests_aborted"]
     for _ in range(100):
-        stats = _stats_of(cluster, replica)
-        if stats["requests_aborted"] > before and stats["requests_in_flight"] == 0:
+        stats = _all_stats(cluster)[replica]
+        if stats["requests_aborted"] > aborted and stats["requests_in_flight"] == 0:
             break
         time.sleep(0.2)
-    assert stats["requests_aborted"] == before + 1
+    assert stats["requests_aborted"] == aborted + 1, stats
     assert stats["requests_in_flight"] == 0
+    # It ended by the abort alone (an aborted request counts as finished too).
+    assert stats["requests_finished"] == before[replica]["requests_finished"] + 1
 
 
 def test_killed_replica_is_restarted(cluster: Cluster) -> None:
