@@ -90,9 +90,9 @@ async def run_head(args: argparse.Namespace) -> None:
     from vllm.usage.usage_lib import UsageContext
 
     # The headless node builds its config as `vllm serve` does, and vLLM's
-    # defaults for a step's size depend on the caller (the server's are half
-    # of the LLM class's on CPU): the head must build it the same way, or the
-    # ranks' first collective gets two sizes and gloo aborts.
+    # defaults for a step's size depend on the caller (on CPU the server's
+    # scale with the world size, the engine's don't): the head must build it
+    # the same way, or the ranks' first collective gets two sizes and gloo aborts.
     engine = AsyncEngine.from_engine_args(
         AsyncEngineArgs.from_cli_args(args), usage_context=UsageContext.OPENAI_API_SERVER
     )
