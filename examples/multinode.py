@@ -21,15 +21,19 @@ machine, over loopback (as the tests run it)::
 
     export VLLM_HOST_IP=127.0.0.1  # on both: the address vLLM's ranks announce
     ARGS="--model PATH --tensor-parallel-size 2 --nnodes 2 --master-addr 127.0.0.1
-          --master-port 29555 --max-num-batched-tokens 512 --max-model-len 512"
-    python examples/multinode.py --headless $ARGS --node-rank 1 &
-    python examples/multinode.py $ARGS --node-rank 0
+          --master-port 29555 --max-num-batched-tokens 512 --max-model-len 512
+          --max-num-seqs 32"
+    # One core per "node" (vLLM's CPU backend binds each node's ranks to cores).
+    VLLM_CPU_OMP_THREADS_BIND=1 python examples/multinode.py --headless $ARGS --node-rank 1 &
+    VLLM_CPU_OMP_THREADS_BIND=0 python examples/multinode.py $ARGS --node-rank 0
+    kill -TERM %1  # the headless node
 
 On two machines, ``--master-addr`` is the head's address and ``VLLM_HOST_IP``
 each node's own. ``python -m asynckv.serve`` with the head's flags serves
-vLLM's OpenAI API on the same engine instead. A headless node exits (0) when
-the head's engine shuts down, and on SIGTERM or SIGINT; if it dies, the
-head's engine is dead: every stream ends with ``asynckv.EngineDeadError``.
+vLLM's OpenAI API on the same engine instead. A headless node does not
+notice the head's engine shutting down: stop it with SIGTERM or SIGINT (it
+stops its ranks and exits 0). If it dies, the head's engine is dead: every
+stream ends with ``asynckv.EngineDeadError``.
 See docs/scaling.md.
 """
 
