@@ -31,9 +31,9 @@ cancels the handle call; the replica cancels vLLM's handler, which aborts).
 If a replica dies, Serve starts another (after its engine starts, some
 seconds); requests in flight on it end with an error: a stream is cut short
 (no ``data: [DONE]``). vLLM's engine process
-doesn't exit with its parent: with the raylets started under
-``RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper=true``, Ray
-kills what a dead replica leaves. Replicas spawn their
+doesn't exit with its parent; Ray 2.60 kills a dead worker's process group,
+the engine with it (older Rays need the raylets started under
+``RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper=true``). Replicas spawn their
 engines' processes themselves, so the environment ``ray start`` ran with
 (``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``PYTHONPATH``)
 is theirs.
@@ -41,7 +41,7 @@ is theirs.
 On a running Ray cluster (here two "nodes" on one machine; give the second
 its own cores if it has them)::
 
-    export RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper=true
+    export RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper=true  # older Rays
     ray start --head --port 6379 --num-cpus 1 --object-store-memory 200000000
     ray start --address 127.0.0.1:6379 --num-cpus 1 --object-store-memory 200000000
     python examples/ray_serve.py --address 127.0.0.1:6379 --replicas 2 --http-port 8000 \\

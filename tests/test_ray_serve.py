@@ -111,8 +111,8 @@ def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         ),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "RAY_USAGE_STATS_ENABLED": "0",
-        # A raylet adopts and kills the processes of a worker that died (here the engine
-        # processes of a killed replica); without it they outlive the replica.
+        # Older Rays' switch for killing what a dead worker leaves (its engine); Ray 2.60
+        # kills the worker's process group anyway and logs this switch as deprecated.
         "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "true",
     }
     port, http_port = free_port(), free_port()
@@ -253,6 +253,7 @@ def test_killed_replica_is_restarted(cluster: Cluster) -> None:
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as response:
         replica, pid = _replica(response)
         victim = psutil.Process(pid)
+        doomed = victim.children(recursive=True)  # its engine's processes
         # The stream is cut short: the connection breaks, or it ends without [DONE].
         with contextlib.suppress(httpx.HTTPError):
             for line in response.iter_lines():
@@ -262,6 +263,9 @@ def test_killed_replica_is_restarted(cluster: Cluster) -> None:
                         victim.send_signal(signal.SIGKILL)
     assert "data: [DONE]" not in lines
     assert len(lines) < LONG
+    # The raylet kills the dead worker's process group, its engine's processes with it.
+    _, alive = psutil.wait_procs(doomed, timeout=60)
+    assert not alive, [(p.pid, p.name()) for p in alive]
     # Serve notices, starts a replica with a new id (its engine too), and routes to it.
     deadline = time.monotonic() + 300
     answered: set[str] = set()
@@ -276,11 +280,11 @@ def test_killed_replica_is_restarted(cluster: Cluster) -> None:
 
 def test_shutdown_leaves_no_process(cluster: Cluster) -> None:
     """serve.shutdown() stops every replica and its engine; ray stop leaves nothing behind."""
-    engines = [p for p in cluster.processes() if "EngineCore" in p.name()]
-    assert len(engines) == 2
+    replicas = _replica_processes(cluster)
+    engines = [p for r in replicas for p in r.children(recursive=True) if "EngineCore" in p.name()]
     shutdown = cluster.run(sys.executable, str(EXAMPLE), "--address", cluster.address, "--shutdown")
     assert shutdown.returncode == 0, cluster.log.read_text()[-4000:]
-    _, alive = psutil.wait_procs(engines + _replica_processes(cluster), timeout=60)
+    _, alive = psutil.wait_procs(engines + replicas, timeout=60)
     assert not alive, [(p.pid, p.name()) for p in alive]
     left = _stop(cluster)
     assert not left, [(p.pid, p.name()) for p in left]
