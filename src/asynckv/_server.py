@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ("GENERATION_PATHS", "PendingLimit", "StatsRoute", "main", "parse_args")
+__all__ = ("GENERATION_PATHS", "PendingLimit", "StatsRoute", "build_app", "main", "parse_args")
 
 GENERATION_PATHS = frozenset(
     {
@@ -203,6 +203,31 @@ def _vllm_server() -> tuple[Any, Any]:
     return build_and_serve, setup_server
 
 
+def _with_middleware(args: argparse.Namespace) -> None:
+    middleware = [f"{__name__}.PendingLimit", f"{__name__}.StatsRoute"]
+    args.middleware = [*args.middleware, *(m for m in middleware if m not in args.middleware)]
+
+
+async def build_app(client: Any, args: argparse.Namespace) -> Any:
+    """Build vLLM's OpenAI app on ``client`` (an ``AsyncEngineClient``), without serving it.
+
+    The app ``serve`` serves, with asynckv's middleware, for an ASGI host
+    other than vLLM's uvicorn (Ray Serve in examples/ray_serve.py): every
+    ``vllm serve`` endpoint, ``--max-pending`` and ``GET /stats``. ``args`` is
+    what ``parse_args`` returns. The app's lifespan (vLLM's periodic stats
+    log, and a GC freeze) runs only if the host runs it; nothing else needs it.
+    vLLM 0.32 only.
+    """
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app as vllm_build_app
+
+    _with_middleware(args)
+    tasks = await client.get_supported_tasks()
+    app = vllm_build_app(args, tasks, client.model_config)
+    await init_app_state(client, app.state, args, tasks)
+    return app
+
+
 # -- serving ---------------------------------------------------------------------------
 
 
@@ -228,7 +253,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     # vLLM's server installs its own handlers once uvicorn runs.
     signal.signal(signal.SIGTERM, interrupt)
-    args.middleware = [*args.middleware, f"{__name__}.PendingLimit", f"{__name__}.StatsRoute"]
+    _with_middleware(args)
     listen_address, sock = setup_server(args, reuse_port=False)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     usage = UsageContext.OPENAI_API_SERVER

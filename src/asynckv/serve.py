@@ -12,9 +12,9 @@ as ``demo``, with a chat template, so ``/v1/chat/completions`` works offline.
 
 from __future__ import annotations
 
-from ._server import main
+from ._server import build_app, main, parse_args
 
-__all__ = ("main",)
+__all__ = ("build_app", "main", "parse_args")
 
 if __name__ == "__main__":  # vLLM spawns engine processes: the guard is required
     main()
