@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, assert_never
 
 from ._commands import Abort, Add, Call, Command, Hold, Outbox, Pause, Release, Reply, Resume
@@ -17,6 +18,7 @@ from ._control import Abort as AbortParked
 from ._control import AbortAll, Admit, Answer, Effect, Fail, PauseCore, ResetCache, ResumeCore
 from ._log import emit, enabled
 from ._registry import Route
+from ._resume import Progress
 from ._vllm import (
     EngineLike,
     abort_outputs,
@@ -39,6 +41,10 @@ class Applier:
     def __init__(self, registry: Registry, counters: Counters) -> None:
         self.registry = registry
         self.counters = counters
+        self.tracking = False
+        """Whether requests keep a ``Progress`` (a restart policy is set)."""
+        self.faulted: Callable[[], bool] = lambda: False
+        """Whether the watchdog saw the engine die (then a failing call is the death's)."""
 
     def apply(self, engine: EngineLike, command: Command, outbox: Outbox) -> None:
         match command:
@@ -53,7 +59,7 @@ class Applier:
                 try:
                     result = command.fn(engine)
                 except Exception as exc:
-                    if is_engine_dead(exc):
+                    if is_engine_dead(exc) or self.faulted():
                         raise
                     # A call into a core that died meanwhile fails with the watchdog's
                     # cause: report the death, as every other command gets.
@@ -159,7 +165,8 @@ class Applier:
             return
         if not self.registry.routes:
             self.counters.busy_since = time.perf_counter()
-        error = self.registry.add_route(request_id, Route(add.sink, add.sink.loop))
+        progress = Progress(add) if self.tracking else None
+        error = self.registry.add_route(request_id, Route(add.sink, add.sink.loop, progress))
         if error is not None:  # closed or dead meanwhile: the end can't see it
             outbox.post(add.sink.loop, add.sink.fail, error)
             return
@@ -179,12 +186,15 @@ class Applier:
         if route is None:
             return  # unknown or finished: a no-op
         outbox.post(route.loop, route.sink.aborting, why)
-        for out in abort_outputs(engine, request_id):
-            outbox.post(route.loop, route.sink.push, out)
-            self.counters.outputs_delivered += 1
-        # Runs after the pushes; a no-op if one of them was final.
+        if route.progress is None or not route.progress.resumed:
+            for out in abort_outputs(engine, request_id):
+                if route.progress is not None:
+                    out = route.progress.see(out) or out
+                outbox.post(route.loop, route.sink.push, out)
+                self.counters.outputs_delivered += 1
+        # Runs after the pushes; a no-op if one of them was final (resumed: the only end).
         outbox.post(route.loop, route.sink.abort)
-        engine.abort_request([request_id])
+        engine.abort_request(route.engine_ids(request_id))
         self.counters.requests_aborted += 1
         self.counters.requests_finished += 1
 

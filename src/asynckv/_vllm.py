@@ -39,6 +39,7 @@ __all__ = (
     "VllmEngineDeadError",
     "abort_outputs",
     "copy_delta",
+    "decoded_completions",
     "engine_processes",
     "exit_status",
     "fail_utility_calls",
@@ -124,6 +125,30 @@ def abort_outputs(engine: EngineLike, request_id: str) -> list[RequestOutput]:
         if out is not None:
             outputs.append(out)
     return outputs
+
+
+def decoded_completions(engine: EngineLike, request_id: str) -> list[tuple[int, list[int], str]]:
+    """What the engine's detokenizer holds of a request: (index, token ids, text) per completion.
+
+    Read on the worker thread from a dead engine's output processor (it lives
+    on the client side, so it outlives the engine-core process). The text is
+    whole: streamed outputs hold the tail back while a stop string could be
+    completing. Empty where this vLLM lays its states out differently.
+    """
+    processor = getattr(engine, "output_processor", None)
+    mapping = getattr(processor, "external_req_ids", None)
+    states = getattr(processor, "request_states", None)
+    if mapping is None or states is None:
+        return []
+    found = []
+    for internal_id in list(mapping.get(request_id, ())):
+        state = states.get(internal_id)
+        detokenizer = getattr(state, "detokenizer", None)
+        text = getattr(detokenizer, "output_text", None)
+        tokens = getattr(detokenizer, "output_token_ids", None)
+        if isinstance(text, str) and tokens is not None:
+            found.append((int(getattr(state, "request_index", 0)), list(tokens), text))
+    return found
 
 
 def engine_processes(engine: EngineLike) -> list[BaseProcess]:
