@@ -1,6 +1,6 @@
 """Restart and resume on a fake engine: the policy, the splice, and what waits meanwhile.
 
-The real-engine tests (a SIGKILLed engine core) are in tests/reliability/test_restart.py;
+The real-engine tests (a SIGKILLed engine core) are in tests/reliability/test_kill_and_resume.py;
 these pin what a real engine can't be made to do at a chosen moment.
 """
 

@@ -28,6 +28,7 @@ from ._engine import AsyncEngine
 from ._errors import EngineClosedError, EngineDeadError
 from ._gather import gather, settle
 from ._pool_control import PoolControl
+from ._restart import RestartPolicy
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -100,14 +101,19 @@ class AsyncEnginePool(PoolControl):
         block_chars: int = 64,
         max_prefixes: int = 65_536,
         freeze_gc: bool = True,
+        restart: RestartPolicy | None = None,
     ) -> AsyncEnginePool:
         """Make a pool of one engine per ``EngineArgs``; ``start()`` builds them all.
 
-        Does no heavy work. ``freeze_gc`` is ``AsyncEngine``'s; the other
-        keyword arguments are those of ``AsyncEnginePool``.
+        Does no heavy work. ``freeze_gc`` and ``restart`` are ``AsyncEngine``'s
+        (each engine restarts itself, and its requests resume on it); the
+        other keyword arguments are those of ``AsyncEnginePool``.
         """
         return cls(
-            [AsyncEngine.from_engine_args(args, freeze_gc=freeze_gc) for args in engine_args],
+            [
+                AsyncEngine.from_engine_args(args, freeze_gc=freeze_gc, restart=restart)
+                for args in engine_args
+            ],
             affinity_slack=affinity_slack,
             block_tokens=block_tokens,
             block_chars=block_chars,

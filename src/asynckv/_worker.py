@@ -38,19 +38,18 @@ from . import _watchdog
 from ._apply import Applier
 from ._commands import Command, Outbox, Reply
 from ._counters import Counters, Snapshot
-from ._errors import EngineClosedError, EngineDeadError, RequestNotResumedError
+from ._errors import EngineClosedError, EngineDeadError
 from ._inbox import Inbox
 from ._log import emit
+from ._recover import Recovery
 from ._registry import Life, Registry
-from ._restart import Deaths, RestartPolicy
+from ._restart import RestartPolicy
 from ._resume import Decoded
 from ._steps import StepHub
 from ._vllm import (
     EngineLike,
-    decoded_completions,
     engine_processes,
     has_core_process,
-    pause_core_scheduler,
     shutdown_core,
     watch_outputs,
 )
@@ -95,15 +94,16 @@ class Worker:
         self._hook_fired = False
         self._applier = Applier(self.registry, self.counters)
         # -- restarts (only with a policy) --
-        self._deaths = None if restart is None else Deaths(restart)
-        self._rebuild = rebuild or build
+        self._recovery = (
+            None
+            if restart is None
+            else Recovery(restart, rebuild or build, self.registry, self.counters)
+        )
         self._generation = 0  # which engine the watchdog's reports are about
         self._fault: BaseException | None = None
         """A death the watchdog saw (written there, read by the worker: one word)."""
         self._carry: deque[Command] = deque()  # commands to apply again on the new engine
         self._left = threading.Event()  # set once the worker leaves the current engine
-        self.restart_cause: BaseException | None = None
-        """While restarting: the death that began it (the worker writes it)."""
         self._applier.tracking = restart is not None
         self._applier.faulted = lambda: self._fault is not None
 
@@ -114,6 +114,11 @@ class Worker:
         self._started = reply
         self.registry.set_life(Life.STARTING)
         self._thread.start()
+
+    @property
+    def restart_cause(self) -> BaseException | None:
+        """While a dead engine is being rebuilt, the death that began it; else None."""
+        return None if self._recovery is None else self._recovery.cause
 
     @property
     def started(self) -> bool:
@@ -202,97 +207,26 @@ class Worker:
                 return
             except BaseException as exc:  # step() or the engine broke: the engine is dead
                 cause = self._fault or exc
-                if self._deaths is None or self.registry.ended:
+                recovery = self._recovery
+                if recovery is None or self.registry.ended:
                     self.die(cause)
                     return
-                began = time.monotonic()
-                if not self._deaths.record(cause, began):
-                    self.die(cause, tuple(self._deaths.causes))
+                if (deaths := recovery.died(cause)) is not None:
+                    self.die(cause, deaths)
                     return
-                self._dying(cause)
-                decoded = self._decoded(engine)
+                decoded = recovery.decoded(engine)
             finally:
                 self._left.set()
                 shutdown_core(engine)
-            rebuilt = self._rebuilt(cause, began, decoded)
-            if rebuilt is None:
+            self._generation += 1
+            self._fault = None
+            self._left = threading.Event()
+            rebuilt = recovery.rebuilt(decoded)
+            if isinstance(rebuilt, tuple):
+                self.die(rebuilt[-1], rebuilt)
+            if rebuilt is None or isinstance(rebuilt, tuple):
                 return
             engine, first = rebuilt, False
-
-    def _dying(self, cause: BaseException) -> None:
-        assert self._deaths is not None
-        self.restart_cause = cause
-        self.registry.set_life(Life.RESTARTING)
-        emit(
-            logging.WARNING,
-            "engine died, restarting",
-            error=f"{type(cause).__name__}: {cause}",
-            restart=self._deaths.restarts,
-            requests=len(self.registry.routes),
-        )
-
-    def _decoded(self, engine: EngineLike) -> Decoded:
-        # Read from the dead engine before it is shut down: what its detokenizer holds.
-        decoded = {}
-        for request_id, route in list(self.registry.routes.items()):
-            for engine_id in route.engine_ids(request_id):
-                decoded[engine_id] = decoded_completions(engine, engine_id)
-        return decoded
-
-    def _rebuilt(
-        self,
-        cause: BaseException,
-        down: float,
-        decoded: Decoded,
-    ) -> EngineLike | None:
-        """Build the engine again and re-add every unfinished request; None if that failed."""
-        assert self._deaths is not None
-        self._generation += 1
-        self._fault = None
-        self._left = threading.Event()
-        try:
-            engine = self._rebuild()
-        except BaseException as exc:
-            self.die(exc, (*self._deaths.causes, exc))
-            return None
-        if self.registry.ended:  # closed while rebuilding
-            shutdown_core(engine)
-            return None
-        outbox = Outbox()
-        resumed = 0
-        try:
-            if self.registry.control.core_paused:  # a "keep" pause holds on the new core too
-                pause_core_scheduler(engine, False)
-            for request_id, route in list(self.registry.routes.items()):
-                assert route.progress is not None
-                try:
-                    readmissions = route.progress.readmissions(self._deaths.restarts, decoded)
-                except RequestNotResumedError as refused:
-                    refused.__cause__ = cause
-                    self.registry.pop_route(request_id)
-                    outbox.post(route.loop, route.sink.fail, refused)
-                    continue
-                for item in readmissions:
-                    engine.add_request(item.engine_id, item.prompt, item.params, **item.kwargs)
-                self.registry.readmitted(request_id, route)
-                outbox.post(route.loop, route.sink.resumed)
-                resumed += 1
-        except BaseException as exc:
-            shutdown_core(engine)
-            self.die(exc, (*self._deaths.causes, exc))
-            return None
-        self.counters.restarts += 1
-        self.restart_cause = None
-        emit(
-            logging.WARNING,
-            "engine restarted",
-            cause=f"{type(cause).__name__}: {cause}",
-            downtime=round(time.monotonic() - down, 3),
-            requests_resumed=resumed,
-            restarts=self.counters.restarts,
-        )
-        outbox.flush()
-        return engine
 
     def _serve(self, engine: EngineLike, outbox: Outbox, began: float, first: bool = True) -> None:
         self._processes = engine_processes(engine)
@@ -303,7 +237,7 @@ class Worker:
         if self._freeze_gc and first:
             _freeze_heap()
         generation = self._generation
-        if self._deaths is None:
+        if self._recovery is None:
             on_death: Callable[[BaseException], None] = self.die
         else:
             on_death = lambda cause: self._core_died(generation, cause)  # noqa: E731
@@ -353,7 +287,7 @@ class Worker:
                 try:
                     self._applier.apply(engine, command, outbox)
                 except BaseException as exc:
-                    if self._deaths is not None and not self.registry.ended:
+                    if self._recovery is not None and not self.registry.ended:
                         # Restarting: the command is applied again on the new engine.
                         self._carry.extend((command, *commands))
                         outbox.flush()
