@@ -21,7 +21,7 @@ from ._errors import RequestNotResumedError
 from ._log import emit
 from ._registry import Life
 from ._restart import Deaths, RestartPolicy
-from ._vllm import EngineLike, decoded_completions, pause_core_scheduler, shutdown_core
+from ._vllm import EngineLike, detokenizers, pause_core_scheduler, shutdown_core
 
 if TYPE_CHECKING:
     from ._counters import Counters
@@ -66,11 +66,11 @@ class Recovery:
         return None
 
     def decoded(self, engine: EngineLike) -> Decoded:
-        """What the dead engine's detokenizer holds of each request (before its shutdown)."""
+        """The dead engine's detokenizers of each request (taken before its shutdown)."""
         decoded: Decoded = {}
         for request_id, route in list(self._registry.routes.items()):
             for engine_id in route.engine_ids(request_id):
-                decoded[engine_id] = decoded_completions(engine, engine_id)
+                decoded[engine_id] = detokenizers(engine, engine_id)
         return decoded
 
     def rebuilt(self, decoded: Decoded) -> EngineLike | tuple[BaseException, ...] | None:

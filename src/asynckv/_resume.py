@@ -16,13 +16,16 @@ prompt fields are the original request's. With ``n > 1`` each unfinished
 completion is one engine request of ``n=1`` (ids ``<id>#<restart>.<index>``),
 and the stream sees one request.
 
-Stop strings: vLLM holds back the last characters of the text while a stop
-string could still be completing, and it looks for stop strings only in the
-text that the new request generates. So the text before the join is taken
-from the dead engine's detokenizer (which has it whole), the same hold-back
-is applied across the join, and a stop string that starts before the join
-and ends after it is found here: the completion ends with ``"stop"`` and its
-engine request is aborted.
+Text and stop strings: the new engine decodes the new tokens with only a few
+prompt tokens as context, holds back the tail of its text while a stop
+string could be completing, and looks for stop strings only in what it
+generated. So the text is not taken from it: the dead engine's own
+detokenizer (client side, so it outlives the engine) is fed the new tokens,
+and gives the text, the hold-back and the stop strings exactly as without
+the death. A stop string it finds ends the completion and its engine
+request is aborted, as vLLM does. Where that detokenizer can't be had (a
+fake engine, another vLLM layout), the text is spliced onto what was sent,
+with the same hold-back and a search for stop strings across the join.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = ("Decoded", "Progress", "Readmission")
 
-Decoded = dict[str, list[tuple[int, list[int], str]]]
-"""Engine request id -> what the dead engine decoded of it: (index, token ids, text) each."""
+Decoded = dict[str, list[tuple[int, Any]]]
+"""Engine request id -> the dead engine's detokenizer of each completion: (index, detokenizer)."""
 
 # The add_request options a resumed request keeps (the prompt is token ids now).
 _KEPT_OPTIONS = ("lora_request", "priority", "trace_headers")
@@ -71,6 +74,8 @@ class _Base:
     cumulative_logprob: float | None
     sent: int
     """Characters of text the stream has been sent (vLLM holds the tail back for stops)."""
+    detokenizer: Any = None
+    """The dead engine's detokenizer, continued (None: splice the text)."""
     new_text: list[str] = field(default_factory=list)
     checking: bool = True
     """Whether a stop string could still span the join."""
@@ -163,6 +168,8 @@ class Progress:
 
     def _splice(self, index: int, c: CompletionOutput, engine_id: str) -> CompletionOutput:
         base = self.bases[index]
+        if base.detokenizer is not None:
+            return self._continue(base, index, c, engine_id)
         params = self.add.params
         delta = self.kind is RequestOutputKind.DELTA
         if delta:
@@ -201,6 +208,29 @@ class Progress:
             spliced.cumulative_logprob = base.cumulative_logprob + c.cumulative_logprob
         return spliced
 
+    def _continue(
+        self, base: _Base, index: int, c: CompletionOutput, engine_id: str
+    ) -> CompletionOutput:
+        # The dead engine's detokenizer takes the new tokens, as its output processor would.
+        detokenizer = base.detokenizer
+        delta = self.kind is RequestOutputKind.DELTA
+        spliced = copy.copy(c)
+        spliced.index = index
+        by_token = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
+        stop = detokenizer.update(list(c.token_ids), by_token)
+        if stop is not None:
+            spliced.finish_reason, spliced.stop_reason = "stop", stop
+            if c.finish_reason is None:
+                self.stopped.append(engine_id)
+        spliced.text = detokenizer.get_next_output_text(spliced.finish_reason is not None, delta)
+        if not delta:
+            spliced.token_ids = list(detokenizer.output_token_ids)
+            if c.logprobs is not None:
+                spliced.logprobs = _joined(_copied(base.logprobs), c.logprobs)
+        if base.cumulative_logprob is not None and c.cumulative_logprob is not None:
+            spliced.cumulative_logprob = base.cumulative_logprob + c.cumulative_logprob
+        return spliced
+
     # -- worker thread, during a restart ------------------------------------------
 
     def readmissions(self, restart: int, decoded: Decoded) -> list[Readmission]:
@@ -222,19 +252,23 @@ class Progress:
             return [Readmission(add.request_id, add.prompt, params, add.kwargs)]
         self._refuse_inexact()
         assert self.prompt_ids is not None  # outputs carry the prompt's ids
-        full = self._decoded_texts(decoded)
-        self.bases = {}
+        detokenizers = self._detokenizers(decoded)
+        previous, self.bases = self.bases, {}
         for i in range(self.n):
             seq = self.seqs.get(i) or _Seq()
             if seq.done:
                 continue
             tokens = list(seq.tokens)
             sent = "".join(seq.texts)
-            text = full.get(i, sent)
-            if not text.startswith(sent):
-                text = sent  # the engine's state disagrees: keep what was sent
+            before = previous.get(i)
+            # The text so far: the last base's and what its splice added, or what was sent.
+            text = sent if before is None else before.text + "".join(before.new_text)
             logprobs = _copied(seq.logprobs)
-            self.bases[i] = _Base(tokens, text, logprobs, seq.cumulative_logprob, len(sent))
+            base = _Base(tokens, text, logprobs, seq.cumulative_logprob, len(sent))
+            detokenizer = detokenizers.get(i)
+            if detokenizer is not None and len(detokenizer.output_token_ids) == len(tokens):
+                base.detokenizer = detokenizer
+            self.bases[i] = base
         self.restarts += 1
         if self.n == 1:
             self.engine_ids = {add.request_id: 0}
@@ -251,18 +285,14 @@ class Progress:
             for engine_id, i in self.engine_ids.items()
         ]
 
-    def _decoded_texts(self, decoded: Decoded) -> dict[int, str]:
-        # The text the dead engine decoded, whole, where its token count agrees with ours.
-        texts: dict[int, str] = {}
+    def _detokenizers(self, decoded: Decoded) -> dict[int, Any]:
+        # Each completion's detokenizer: carried from the last restart, or the dead engine's.
+        found = {i: b.detokenizer for i, b in self.bases.items() if b.detokenizer is not None}
         for engine_id, index in self.engine_ids.items():
-            for own_index, tokens, text in decoded.get(engine_id, ()):
-                i = own_index if index < 0 else index
-                base = self.bases.get(i)
-                before = base.tokens if base is not None and index >= 0 else []
-                seq = self.seqs.get(i)
-                if seq is not None and len(before) + len(tokens) == len(seq.tokens):
-                    texts[i] = (base.text if base is not None and index >= 0 else "") + text
-        return texts
+            if index < 0:
+                for own_index, detokenizer in decoded.get(engine_id, ()):
+                    found.setdefault(own_index, detokenizer)
+        return found
 
     def _refuse_inexact(self) -> None:
         params, add = self.add.params, self.add

@@ -39,7 +39,7 @@ __all__ = (
     "VllmEngineDeadError",
     "abort_outputs",
     "copy_delta",
-    "decoded_completions",
+    "detokenizers",
     "engine_processes",
     "exit_status",
     "fail_utility_calls",
@@ -127,13 +127,15 @@ def abort_outputs(engine: EngineLike, request_id: str) -> list[RequestOutput]:
     return outputs
 
 
-def decoded_completions(engine: EngineLike, request_id: str) -> list[tuple[int, list[int], str]]:
-    """What the engine's detokenizer holds of a request: (index, token ids, text) per completion.
+def detokenizers(engine: EngineLike, request_id: str) -> list[tuple[int, Any]]:
+    """The detokenizer of each of a request's completions: (index, detokenizer).
 
     Read on the worker thread from a dead engine's output processor (it lives
-    on the client side, so it outlives the engine-core process). The text is
-    whole: streamed outputs hold the tail back while a stop string could be
-    completing. Empty where this vLLM lays its states out differently.
+    on the client side, so it outlives the engine-core process). Continued
+    with the tokens of a resumed request, a detokenizer gives the text, and
+    finds the stop strings, exactly as it would have without the death: it
+    holds the text decoded so far, what was streamed of it, and the decoding
+    state at the join. Empty where this vLLM lays its states out differently.
     """
     processor = getattr(engine, "output_processor", None)
     mapping = getattr(processor, "external_req_ids", None)
@@ -144,10 +146,11 @@ def decoded_completions(engine: EngineLike, request_id: str) -> list[tuple[int, 
     for internal_id in list(mapping.get(request_id, ())):
         state = states.get(internal_id)
         detokenizer = getattr(state, "detokenizer", None)
-        text = getattr(detokenizer, "output_text", None)
-        tokens = getattr(detokenizer, "output_token_ids", None)
-        if isinstance(text, str) and tokens is not None:
-            found.append((int(getattr(state, "request_index", 0)), list(tokens), text))
+        if all(
+            hasattr(detokenizer, name)
+            for name in ("update", "get_next_output_text", "output_token_ids", "output_text")
+        ):
+            found.append((int(getattr(state, "request_index", 0)), detokenizer))
     return found
 
 

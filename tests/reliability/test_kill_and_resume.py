@@ -17,7 +17,7 @@ import random
 import signal
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -100,6 +100,20 @@ def completions(out: RequestOutput) -> list[tuple[list[int], str]]:
     return [(list(c.token_ids), c.text) for c in sorted(out.outputs, key=lambda c: c.index)]
 
 
+def divergence(out: RequestOutput, ref: RequestOutput) -> tuple[int | None, int | None, str, str]:
+    """Where ``out`` first differs from ``ref``: the token and character (None: nowhere)."""
+
+    def first(a: Sequence[object], b: Sequence[object]) -> int | None:
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        return min(len(a), len(b)) if at is None and len(a) != len(b) else at
+
+    mine, theirs = out.outputs[0], ref.outputs[0]
+    token = first(list(mine.token_ids), list(theirs.token_ids))
+    char = first(mine.text, theirs.text)
+    around = slice(max(0, (char or 0) - 8), (char or 0) + 8)
+    return token, char, mine.text[around], theirs.text[around]
+
+
 async def run_and_kill(
     engine: AsyncEngine, work: list[tuple[TokensPrompt, SamplingParams]], at: int
 ) -> tuple[list[RequestOutput], float, float]:
@@ -142,10 +156,10 @@ async def test_greedy_streams_resume_exactly(
         assert completion.finish_reason == "length"
         assert final.prompt_token_ids == ref.prompt_token_ids
     assert same == 50, [
-        (i, f.outputs[0].token_ids, r.outputs[0].token_ids)
+        (i, *divergence(f, r))
         for i, (f, r) in enumerate(zip(finals, reference, strict=True))
         if completions(f) != completions(r)
-    ][:2]
+    ]
     assert await unfinished(restarting) == 0
     figures(
         f"50 greedy streams x 64 tokens, core SIGKILLed after {at} tokens: {same}/50 identical "
