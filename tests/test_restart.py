@@ -19,6 +19,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 
 from asynckv import (
     AsyncEngine,
+    AsyncEnginePool,
     EngineDeadError,
     EngineRestartingError,
     RequestNotResumedError,
@@ -267,3 +268,32 @@ def test_n2_resumes_each_unfinished_completion() -> None:
     assert (one.outputs[0].index, one.outputs[0].token_ids) == (1, [2, 3])
     both = progress.see(_out("r#2.0", "d", [4], finished=True))
     assert both is not None and both.finished and both.request_id == "r"
+
+
+async def test_pool_routes_around_a_restarting_engine() -> None:
+    """A pool member being rebuilt gets no new request; its own requests resume on it."""
+    dying, spare, rebuilt = FakeEngine(), FakeEngine(), FakeEngine()
+    failing_after(dying, 3, OSError("device lost"))
+    building, release = threading.Event(), threading.Event()
+
+    def rebuild() -> FakeEngine:
+        building.set()
+        release.wait(10)
+        return rebuilt
+
+    pool = AsyncEnginePool([AsyncEngine(dying, rebuild=rebuild), AsyncEngine(spare)])
+    first = pool.generate("first", TWENTY, request_id="first")
+    assert pool.engine_of("first") == 0
+    assert await asyncio.to_thread(building.wait, 10)
+    assert pool.engines[0].restarting
+    later = [pool.generate(f"later {i}", TWENTY, request_id=f"later{i}") for i in range(4)]
+    assert [pool.engine_of(f"later{i}") for i in range(4)] == [1, 1, 1, 1]
+    with pytest.raises(EngineRestartingError):
+        await pool.check_health()
+    release.set()
+    assert (await first).outputs[0].token_ids == list(range(20))
+    for stream in later:
+        assert (await stream).outputs[0].token_ids == list(range(20))
+    assert not pool.engines[0].restarting
+    assert pool.stats().restarts == 1
+    await pool.aclose()

@@ -139,6 +139,10 @@ class Router:
         live = [
             i for i, engine in enumerate(self._engines) if i not in refused and not engine.errored
         ]
+        # An engine being rebuilt (its RestartPolicy) takes requests only if no other can:
+        # they would wait for the rebuild.
+        serving = [i for i in live if not self._engines[i].restarting]
+        live = serving or live
         if not live:
             return None
         load = {i: self._load(i) for i in live}

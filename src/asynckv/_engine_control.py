@@ -250,6 +250,11 @@ class EngineControl:
             raise EngineStalledError(idle, snap.in_flight)
 
     @property
+    def restarting(self) -> bool:
+        """Whether a dead engine is being rebuilt now (``RestartPolicy``): degraded, not dead."""
+        return self._worker.registry.life is Life.RESTARTING
+
+    @property
     def errored(self) -> bool:
         """Whether the engine has died."""
         return self._worker.registry.dead_error is not None
