@@ -217,13 +217,19 @@ class Progress:
         spliced = copy.copy(c)
         spliced.index = index
         by_token = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
-        stop = detokenizer.update(list(c.token_ids), by_token)
+        fed = len(detokenizer.output_token_ids)
+        # A cumulative output repeats the tokens since the join: feed only the new ones.
+        new = list(c.token_ids if delta else c.token_ids[fed - len(base.tokens) :])
+        stop = detokenizer.update(new, by_token)
         if stop is not None:
             spliced.finish_reason, spliced.stop_reason = "stop", stop
             if c.finish_reason is None:
                 self.stopped.append(engine_id)
         spliced.text = detokenizer.get_next_output_text(spliced.finish_reason is not None, delta)
-        if not delta:
+        if delta:
+            # What the detokenizer kept (it drops the tokens after a stop string).
+            spliced.token_ids = list(detokenizer.output_token_ids[fed:])
+        else:
             spliced.token_ids = list(detokenizer.output_token_ids)
             if c.logprobs is not None:
                 spliced.logprobs = _joined(_copied(base.logprobs), c.logprobs)
