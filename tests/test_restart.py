@@ -20,6 +20,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from asynckv import (
     AsyncEngine,
     AsyncEnginePool,
+    EngineClosedError,
     EngineDeadError,
     EngineRestartingError,
     RequestNotResumedError,
@@ -297,3 +298,51 @@ async def test_pool_routes_around_a_restarting_engine() -> None:
     assert not pool.engines[0].restarting
     assert pool.stats().restarts == 1
     await pool.aclose()
+
+
+async def test_close_during_a_restart() -> None:
+    """aclose() while rebuilding: streams end with EngineClosedError; the new engine is shut."""
+    first, second = FakeEngine(), FakeEngine()
+    failing_after(first, 3, OSError("device lost"))
+    building, release = threading.Event(), threading.Event()
+
+    def rebuild() -> FakeEngine:
+        building.set()
+        release.wait(10)
+        return second
+
+    engine = AsyncEngine(first, rebuild=rebuild)
+    stream = engine.generate("r", TWENTY)
+    assert await asyncio.to_thread(building.wait, 10)
+    closing = asyncio.ensure_future(engine.aclose(timeout=10))
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(stream, 10)
+    release.set()
+    await asyncio.wait_for(closing, 10)
+    assert await asyncio.to_thread(second.shut_down.wait, 10)
+    assert second.log == []  # nothing was re-added to an engine that was closed
+
+
+async def test_abort_during_a_restart() -> None:
+    """A stream closed while the engine is rebuilt ends; its request leaves the new engine."""
+    first, second = FakeEngine(), FakeEngine()
+    failing_after(first, 3, OSError("device lost"))
+    building, release = threading.Event(), threading.Event()
+
+    def rebuild() -> FakeEngine:
+        building.set()
+        release.wait(10)
+        return second
+
+    engine = AsyncEngine(first, rebuild=rebuild)
+    leaving = engine.generate("leaving", SamplingParams(max_tokens=10**6), request_id="leaving")
+    staying = engine.generate("staying", TWENTY)
+    assert await asyncio.to_thread(building.wait, 10)
+    closed = asyncio.ensure_future(leaving.aclose())
+    await asyncio.sleep(0.05)  # the abort reaches the inbox; nothing can answer it yet
+    release.set()
+    await asyncio.wait_for(closed, 10)
+    assert (await staying).outputs[0].token_ids == list(range(20))
+    assert "abort leaving" in second.log
+    assert await engine.run_on_engine(lambda e: e.get_num_unfinished_requests()) == 0
+    await engine.aclose()
