@@ -224,7 +224,7 @@ def test_stop_string_across_the_join_stops() -> None:
     """Without vLLM's detokenizer: a stop string begun before the join and ended after stops."""
     progress = _progress(SamplingParams(max_tokens=50, stop=["STOP"]))
     progress.see(_out("r", "hello ST", [1, 2]))
-    (again,) = progress.readmissions(1, {})
+    (again,) = progress.readmissions({})
     assert again.prompt == {"prompt_token_ids": [7, 1, 2]}
     assert again.params.max_tokens == 48
     spliced = progress.see(_out("r", "OP and on", [3, 4]))
@@ -245,7 +245,7 @@ def test_cumulative_splice_keeps_everything() -> None:
     """CUMULATIVE after a resume: ids, text and logprobs from the first token; min_tokens cut."""
     progress = _progress(SamplingParams(max_tokens=10, min_tokens=4, seed=3))
     progress.see(_out("r", "ab", [1, 2]))
-    (again,) = progress.readmissions(1, {})
+    (again,) = progress.readmissions({})
     assert (again.params.max_tokens, again.params.min_tokens) == (8, 2)
     assert again.params.seed != 3  # documented: a new random stream, derived
     spliced = progress.see(_out("r", "c", [3], finished=True))
@@ -260,43 +260,63 @@ def test_n2_resumes_each_unfinished_completion() -> None:
     out = _out("r", "a", [1])
     out.outputs.append(CompletionOutput(1, "b", [2], None, None, None))
     progress.see(out)
-    readmissions = progress.readmissions(2, {})
-    assert [r.engine_id for r in readmissions] == ["r#2.0", "r#2.1"]
+    readmissions = progress.readmissions({})
+    assert [r.engine_id for r in readmissions] == ["r#1.0", "r#1.1"]
     assert [r.prompt["prompt_token_ids"] for r in readmissions] == [[7, 1], [7, 2]]
     assert all(r.params.n == 1 for r in readmissions)
-    one = progress.see(_out("r#2.1", "c", [3], finished=True))
+    one = progress.see(_out("r#1.1", "c", [3], finished=True))
     assert one is not None and not one.finished
     assert (one.outputs[0].index, one.outputs[0].token_ids) == (1, [2, 3])
-    both = progress.see(_out("r#2.0", "d", [4], finished=True))
+    both = progress.see(_out("r#1.0", "d", [4], finished=True))
     assert both is not None and both.finished and both.request_id == "r"
 
 
-async def test_pool_routes_around_a_restarting_engine() -> None:
-    """A pool member being rebuilt gets no new request; its own requests resume on it."""
-    dying, spare, rebuilt = FakeEngine(), FakeEngine(), FakeEngine()
+async def test_pool_fails_over_and_the_member_rejoins() -> None:
+    """A pool member dies: its requests resume on the live member; it rebuilds, then rejoins."""
+    dying, spare = FakeEngine(), FakeEngine()
     failing_after(dying, 3, OSError("device lost"))
     building, release = threading.Event(), threading.Event()
 
     def rebuild() -> FakeEngine:
         building.set()
         release.wait(10)
-        return rebuilt
+        return FakeEngine()
 
-    pool = AsyncEnginePool([AsyncEngine(dying, rebuild=rebuild), AsyncEngine(spare)])
-    first = pool.generate("first", TWENTY, request_id="first")
-    assert pool.engine_of("first") == 0
+    pool = AsyncEnginePool(
+        [AsyncEngine(dying, rebuild=rebuild), AsyncEngine(spare, rebuild=FakeEngine)]
+    )
+    dying.gate.clear()
+    spare.gate.clear()
+    streams = {f"r{i}": pool.generate(f"r{i}", TWENTY, request_id=f"r{i}") for i in range(4)}
+    endless = pool.generate("e", SamplingParams(max_tokens=10**6), request_id="endless")
+    on_dying = [rid for rid in [*streams, "endless"] if pool.engine_of(rid) == 0]
+    assert "endless" in on_dying and len(on_dying) == 3  # least loaded first, in turn
+    dying.gate.set()
+    spare.gate.set()
     assert await asyncio.to_thread(building.wait, 10)
     assert pool.engines[0].restarting
-    later = [pool.generate(f"later {i}", TWENTY, request_id=f"later{i}") for i in range(4)]
-    assert [pool.engine_of(f"later{i}") for i in range(4)] == [1, 1, 1, 1]
+    # While member 0 rebuilds, its requests run on member 1, and new ones go there too.
+    for rid, stream in streams.items():
+        assert (await stream).outputs[0].token_ids == list(range(20)), rid
+        assert stream.metrics is not None
+        assert stream.metrics.restarts == (1 if rid in on_dying else 0)
+    assert all(f"add {rid}" in spare.log for rid in on_dying)
+    assert pool.engine_of("endless") == 1
+    later = pool.generate("later", TWENTY, request_id="later")
+    assert pool.engine_of("later") == 1
+    await endless.aclose()  # its abort follows it to member 1
+    assert "abort endless" in spare.log
     with pytest.raises(EngineRestartingError):
         await pool.check_health()
     release.set()
-    assert (await first).outputs[0].token_ids == list(range(20))
-    for stream in later:
-        assert (await stream).outputs[0].token_ids == list(range(20))
+    assert (await later).outputs[0].token_ids == list(range(20))
+    await pool.engines[0].run_on_engine(lambda e: None)  # rebuilt and serving
     assert not pool.engines[0].restarting
+    await pool.check_health()
     assert pool.stats().restarts == 1
+    rejoined = [pool.generate(f"j{i}", TWENTY, request_id=f"j{i}") for i in range(4)]
+    assert {pool.engine_of(f"j{i}") for i in range(4)} == {0, 1}
+    await asyncio.gather(*rejoined)
     await pool.aclose()
 
 

@@ -109,6 +109,12 @@ class Router:
         self._streams[index][request_id] = weakref.ref(stream)
         self.prefixes.remember(keys, index)
 
+    def move(self, request_id: str, old: int, new: int) -> None:
+        """Note that engine ``new`` took over this request from engine ``old`` (failover)."""
+        ref = self._streams[old].pop(request_id, None)
+        if ref is not None:
+            self._streams[new][request_id] = ref
+
     def owner(self, request_id: str) -> int | None:
         """The engine serving this request of the pool's, if its stream is unfinished."""
         for index, streams in enumerate(self._streams):

@@ -13,9 +13,22 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, assert_never
 
-from ._commands import Abort, Add, Call, Command, Hold, Outbox, Pause, Release, Reply, Resume
+from ._commands import (
+    Abort,
+    Add,
+    Adopt,
+    Call,
+    Command,
+    Hold,
+    Outbox,
+    Pause,
+    Release,
+    Reply,
+    Resume,
+)
 from ._control import Abort as AbortParked
 from ._control import AbortAll, Admit, Answer, Effect, Fail, PauseCore, ResetCache, ResumeCore
+from ._errors import RequestNotResumedError
 from ._log import emit, enabled
 from ._registry import Route
 from ._resume import Progress
@@ -89,6 +102,8 @@ class Applier:
                     ),
                     command,
                 )
+            case Adopt():
+                self._adopt(engine, command, outbox)
             case Resume():
                 admitted = len(self.registry.control.parked)
                 self.change(engine, outbox, lambda c: c.resume(command.reply), command)
@@ -173,6 +188,31 @@ class Applier:
         self.counters.loops.add(add.sink.loop)
         if enabled(logging.DEBUG):
             emit(logging.DEBUG, "request added", request_id=request_id, step=self.counters.steps)
+
+    def _adopt(self, engine: EngineLike, adopt: Adopt, outbox: Outbox) -> None:
+        # A dead pool member's request, continued here as a restart would continue it.
+        route, request_id = adopt.route, adopt.request_id
+        assert route.progress is not None
+        failure: BaseException | None = None
+        if request_id in self.registry.routes:
+            failure = ValueError(f"request id {request_id!r} is already in flight")
+        else:
+            try:
+                readmissions = route.progress.readmissions(adopt.detokenizers)
+            except RequestNotResumedError as refused:
+                refused.__cause__ = adopt.cause
+                failure = refused
+        if failure is not None:
+            outbox.post(route.loop, route.sink.fail, failure)
+            return
+        for item in readmissions:
+            engine.add_request(item.engine_id, item.prompt, item.params, **item.kwargs)
+        error = self.registry.add_route(request_id, route)
+        if error is not None:  # closed or dead meanwhile
+            outbox.post(route.loop, route.sink.fail, error)
+            return
+        self.registry.readmitted(request_id, route)
+        outbox.post(route.loop, route.sink.resumed)
 
     def _abort(self, engine: EngineLike, request_id: str, outbox: Outbox, why: str) -> None:
         if self.registry.control.parked:

@@ -279,9 +279,11 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         return RequestStream(rid, sink, self._abort_soon)
 
     def _abort_soon(self, request_id: str, why: str) -> None:
-        # Called from streams abandoned by cancel, break or GC: never raise.
+        # Called from streams abandoned by cancel, break or GC: never raise. A request
+        # that a pool member adopted (failover) is aborted there.
+        inbox = self._worker.forwarded.get(request_id, self._worker.inbox)
         with contextlib.suppress(Exception):
-            self._worker.inbox.put(Abort([request_id], None, why))
+            inbox.put(Abort([request_id], None, why))
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests and return once they are out of the engine.

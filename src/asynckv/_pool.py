@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from . import _checks
+from . import _checks, _failover
 from ._affinity import PrefixIndex, Router
 from ._engine import AsyncEngine
 from ._errors import EngineClosedError, EngineDeadError
@@ -63,6 +63,13 @@ class AsyncEnginePool(PoolControl):
     request to it and keeps serving from the others. Only when every engine
     is dead do ``generate`` and ``reset_prefix_cache`` raise ``EngineDeadError``.
 
+    With a ``RestartPolicy`` on the engines, a member that dies hands its
+    unfinished requests to the least loaded live member, where each resumes
+    from its last token (as a restart resumes it; ``pool.abort`` and a
+    stream's own abort follow it there), then restarts in the background; it
+    takes no new request while it rebuilds, if another can serve, and rejoins
+    once it is up. With no live member to take them, they resume on it.
+
     The pool owns its engines: ``start()`` starts them all, ``aclose()`` closes
     them all. Build one with ``AsyncEnginePool.from_engine_args([...])`` or
     around engines you made, ``AsyncEnginePool([engine, ...])``. Reset, pause,
@@ -90,6 +97,7 @@ class AsyncEnginePool(PoolControl):
             self._engines, affinity_slack, PrefixIndex(block_tokens, block_chars, max_prefixes)
         )
         self._closed = False
+        _failover.install(self._engines, self._lock, self._router)
 
     @classmethod
     def from_engine_args(
@@ -105,9 +113,10 @@ class AsyncEnginePool(PoolControl):
     ) -> AsyncEnginePool:
         """Make a pool of one engine per ``EngineArgs``; ``start()`` builds them all.
 
-        Does no heavy work. ``freeze_gc`` and ``restart`` are ``AsyncEngine``'s
-        (each engine restarts itself, and its requests resume on it); the
-        other keyword arguments are those of ``AsyncEnginePool``.
+        Does no heavy work. ``freeze_gc`` and ``restart`` are ``AsyncEngine``'s;
+        with ``restart``, a member that dies hands its unfinished requests to a
+        live member, where they resume, and restarts in the background (see
+        the class). The other keyword arguments are those of ``AsyncEnginePool``.
         """
         return cls(
             [

@@ -94,7 +94,7 @@ class Recovery:
             for request_id, route in list(registry.routes.items()):
                 assert route.progress is not None
                 try:
-                    readmissions = route.progress.readmissions(self.deaths.restarts, decoded)
+                    readmissions = route.progress.readmissions(decoded)
                 except RequestNotResumedError as refused:
                     refused.__cause__ = cause
                     registry.pop_route(request_id)

@@ -149,6 +149,19 @@ class Registry:
             for engine_id in progress.engine_ids:
                 self.aliases.pop(engine_id, None)
 
+    def take_routes(self) -> list[tuple[str, Route]]:
+        """Stop routing every request and return them (a pool member hands them over)."""
+        with self._lock:
+            taken = list(self.routes.items())
+            self.routes, self.aliases = {}, {}
+            return taken
+
+    def put_routes(self, routes: list[tuple[str, Route]]) -> None:
+        """Route again what ``take_routes`` took and nobody adopted."""
+        with self._lock:
+            for request_id, route in routes:
+                self.routes[request_id] = route
+
     def readmitted(self, request_id: str, route: Route) -> None:
         """Route a resumed request's new engine ids (worker thread, during a restart)."""
         assert route.progress is not None

@@ -239,12 +239,11 @@ class Progress:
 
     # -- worker thread, during a restart ------------------------------------------
 
-    def readmissions(self, restart: int, decoded: Decoded) -> list[Readmission]:
+    def readmissions(self, decoded: Decoded) -> list[Readmission]:
         """The engine requests that continue this request on a new engine.
 
-        ``decoded`` maps each of this request's engine ids to what the dead
-        engine's detokenizer holds of its completions (index, token ids, text),
-        where vLLM still has it.
+        ``decoded`` maps each of this request's engine ids to the dead engine's
+        detokenizers of its completions, where vLLM still has them.
 
         Raises:
             RequestNotResumedError: tokens were sent and the parameters can't be resumed.
@@ -279,7 +278,7 @@ class Progress:
         if self.n == 1:
             self.engine_ids = {add.request_id: 0}
         else:
-            self.engine_ids = {f"{add.request_id}#{restart}.{i}": i for i in self.bases}
+            self.engine_ids = {f"{add.request_id}#{self.restarts}.{i}": i for i in self.bases}
         kwargs = {k: v for k, v in add.kwargs.items() if k in _KEPT_OPTIONS}
         return [
             Readmission(

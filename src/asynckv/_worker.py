@@ -58,9 +58,13 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
     from ._loops import Loop
+    from ._registry import Route
 
 
-__all__ = ("Worker",)
+__all__ = ("Handoff", "Worker")
+
+Handoff = Callable[[list[tuple[str, "Route"]], Decoded, BaseException], list[tuple[str, "Route"]]]
+"""A pool's failover: (routes, detokenizers, cause) -> the routes it could not place."""
 
 # Bounds on the sleep while the core computes (see the module docstring).
 _POLL_SECONDS = 0.05  # once the output hook has fired: a silent hook only slows us
@@ -104,6 +108,10 @@ class Worker:
         """A death the watchdog saw (written there, read by the worker: one word)."""
         self._carry: deque[Command] = deque()  # commands to apply again on the new engine
         self._left = threading.Event()  # set once the worker leaves the current engine
+        self.handoff: Handoff | None = None
+        """Set by a pool: hands a dead engine's requests to a live member, returns the rest."""
+        self.forwarded: dict[str, Inbox[Command]] = {}
+        """Request id -> the inbox of the pool member that adopted it (aborts go there)."""
         self._applier.tracking = restart is not None
         self._applier.faulted = lambda: self._fault is not None
 
@@ -215,6 +223,9 @@ class Worker:
                     self.die(cause, deaths)
                     return
                 decoded = recovery.decoded(engine)
+                if self.handoff is not None and self.registry.routes:
+                    kept = self.handoff(self.registry.take_routes(), decoded, cause)
+                    self.registry.put_routes(kept)
             finally:
                 self._left.set()
                 shutdown_core(engine)
