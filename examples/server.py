@@ -28,7 +28,8 @@ Endpoints:
   ``{"reset": bool}`` out (every engine's answer, and-ed).
 * ``POST /pause``: ``{"mode": "abort" | "wait" | "keep"}`` (``AsyncEngine.pause_generation``
   on every engine): completions that arrive meanwhile wait; ``POST /resume`` admits them.
-* ``GET /health``: 200 while an engine is usable, 503 once none is.
+* ``GET /health``: 200 while an engine is usable, 503 once none is: with
+  ``{"status": "degraded"}`` while one restarts (``--restart``), else an error.
 * ``GET /stats``: the requests in flight, waiting, finished and aborted over
   all engines, and each engine's ``AsyncEngine.stats()``.
 
@@ -37,6 +38,8 @@ with ``--api-key KEY`` every ``/v1`` endpoint answers 401 without
 ``Authorization: Bearer KEY``; with ``--max-pending N``, a completion beyond N
 in flight gets 429 with ``Retry-After`` instead of a place in an unbounded
 queue. ``--engines N`` serves from ``AsyncEnginePool``, N engines on one loop.
+``--restart N`` rebuilds an engine that died (its engine core killed, say)
+up to N times a minute: streaming clients see their tokens continue.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
 400 for a body that doesn't validate or a request the engine refuses (a
@@ -69,7 +72,15 @@ from vllm.outputs import RequestOutput
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.async_utils import merge_async_iterators
 
-from asynckv import AsyncEngine, AsyncEnginePool, EngineClosedError, EngineDeadError, RequestStream
+from asynckv import (
+    AsyncEngine,
+    AsyncEnginePool,
+    EngineClosedError,
+    EngineDeadError,
+    EngineRestartingError,
+    RequestStream,
+    RestartPolicy,
+)
 
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -179,19 +190,22 @@ def create_app(
     engines: int = 1,
     api_key: str | None = None,
     max_pending: int | None = None,
+    restart: RestartPolicy | None = None,
 ) -> FastAPI:
     """Make the app; its lifespan starts the engines from ``engine_args`` and closes them.
 
     ``engines`` > 1 serves from an ``AsyncEnginePool`` of that many engines.
+    ``restart``: each engine's ``RestartPolicy`` (a dead engine is rebuilt and
+    its streams continue where they stopped).
     ``model_name`` is the name answers carry in ``model``: by default the
     first ``served_model_name``, else ``engine_args.model``.
     """
     backend: Engines
     if engines > 1:
-        pool = AsyncEnginePool.from_engine_args([engine_args] * engines)
+        pool = AsyncEnginePool.from_engine_args([engine_args] * engines, restart=restart)
         backend, members = pool, pool.engines
     else:
-        backend = AsyncEngine.from_engine_args(engine_args)
+        backend = AsyncEngine.from_engine_args(engine_args, restart=restart)
         members = (backend,)
     served = engine_args.served_model_name
     name = model_name or (served if isinstance(served, str) else None)
@@ -288,13 +302,19 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Any:
-        errors = []
+        errors, restarting = [], False
         for engine in members:
             try:
                 await engine.check_health()
                 return {"status": "ok"}
+            except EngineRestartingError as exc:
+                restarting = True
+                errors.append(str(exc))
             except UNAVAILABLE as exc:
                 errors.append(str(exc))
+        if restarting:
+            # Degraded, not dead: requests wait and resume once the engine is back.
+            return JSONResponse({"status": "degraded", "detail": "; ".join(errors)}, 503)
         return _error(503, "; ".join(errors), "service_unavailable")
 
     @app.get("/stats")
@@ -531,6 +551,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None, help="require this bearer token on /v1")
     parser.add_argument("--max-pending", type=int, default=None, help="429 beyond this many")
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    parser.add_argument(
+        "--restart",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rebuild a dead engine up to N times a minute, resuming its streams",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(model=None)  # None: the demo model
     args = parser.parse_args(argv)
@@ -546,6 +573,7 @@ def main(argv: list[str] | None = None) -> None:
         engines=args.engines,
         api_key=args.api_key,
         max_pending=args.max_pending,
+        restart=None if args.restart is None else RestartPolicy(max_restarts=args.restart),
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
 

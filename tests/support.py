@@ -96,6 +96,9 @@ class FakeEngine:
     Each request gets one token per step. A step waits for ``gate`` (set by
     default), so a test can hold the worker inside ``step()``; ``fail_with``
     makes the next step raise. ``step_entered`` is set whenever a step begins.
+    A text prompt's outputs have ``prompt_token_ids == [1]`` and tokens 0, 1,
+    2, ...; a token-ids prompt (a resumed request) of length ``k`` continues
+    that count from ``k - 1``, so a resume that loses or repeats a token shows.
     """
 
     def __init__(self) -> None:
@@ -105,6 +108,7 @@ class FakeEngine:
         self.fail_with: BaseException | None = None
         self.tokens: dict[str, list[int]] = {}
         self.limits: dict[str, int] = {}
+        self.prompts: dict[str, list[int]] = {}
         self.log: list[str] = []
         self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})
         self.engine_core = SimpleNamespace(shutdown=self._shutdown)
@@ -119,6 +123,8 @@ class FakeEngine:
     ) -> None:
         self.log.append(f"add {request_id}")
         self.tokens[request_id] = []
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        self.prompts[request_id] = list(ids) if ids else [1]
         self.limits[request_id] = params.max_tokens or 16
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -144,7 +150,8 @@ class FakeEngine:
         self.log.append("step")
         outputs = []
         for rid, tokens in list(self.tokens.items()):
-            tokens.append(len(tokens))
+            prompt = self.prompts[rid]
+            tokens.append(len(prompt) - 1 + len(tokens))
             done = len(tokens) >= self.limits[rid]
             completion = CompletionOutput(
                 index=0,
@@ -158,7 +165,7 @@ class FakeEngine:
                 RequestOutput(
                     request_id=rid,
                     prompt=None,
-                    prompt_token_ids=[1],
+                    prompt_token_ids=prompt,
                     prompt_logprobs=None,
                     outputs=[completion],
                     finished=done,

@@ -11,11 +11,14 @@ from ._errors import (
     EngineDeadError,
     EngineHeldError,
     EngineNotStartedError,
+    EngineRestartingError,
     EngineStalledError,
+    RequestNotResumedError,
 )
 from ._log import configure_logging
 from ._metrics import RequestMetrics
 from ._pool import AsyncEnginePool
+from ._restart import RestartPolicy
 from ._stats import EngineStats
 from ._steps import StepRecord, StepStream
 from ._stream import RequestStream
@@ -30,10 +33,13 @@ __all__ = (
     "EngineDeadError",
     "EngineHeldError",
     "EngineNotStartedError",
+    "EngineRestartingError",
     "EngineStalledError",
     "EngineStats",
     "RequestMetrics",
+    "RequestNotResumedError",
     "RequestStream",
+    "RestartPolicy",
     "StepRecord",
     "StepStream",
     "configure_logging",

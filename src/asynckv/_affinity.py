@@ -109,6 +109,12 @@ class Router:
         self._streams[index][request_id] = weakref.ref(stream)
         self.prefixes.remember(keys, index)
 
+    def move(self, request_id: str, old: int, new: int) -> None:
+        """Note that engine ``new`` took over this request from engine ``old`` (failover)."""
+        ref = self._streams[old].pop(request_id, None)
+        if ref is not None:
+            self._streams[new][request_id] = ref
+
     def owner(self, request_id: str) -> int | None:
         """The engine serving this request of the pool's, if its stream is unfinished."""
         for index, streams in enumerate(self._streams):
@@ -139,6 +145,10 @@ class Router:
         live = [
             i for i, engine in enumerate(self._engines) if i not in refused and not engine.errored
         ]
+        # An engine being rebuilt (its RestartPolicy) takes requests only if no other can:
+        # they would wait for the rebuild.
+        serving = [i for i in live if not self._engines[i].restarting]
+        live = serving or live
         if not live:
             return None
         load = {i: self._load(i) for i in live}

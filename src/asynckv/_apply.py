@@ -10,14 +10,28 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, assert_never
 
-from ._commands import Abort, Add, Call, Command, Hold, Outbox, Pause, Release, Reply, Resume
+from ._commands import (
+    Abort,
+    Add,
+    Adopt,
+    Call,
+    Command,
+    Hold,
+    Outbox,
+    Pause,
+    Release,
+    Reply,
+    Resume,
+)
 from ._control import Abort as AbortParked
 from ._control import AbortAll, Admit, Answer, Effect, Fail, PauseCore, ResetCache, ResumeCore
+from ._errors import RequestNotResumedError
 from ._log import emit, enabled
 from ._registry import Route
+from ._resume import Progress
 from ._vllm import (
     EngineLike,
     abort_outputs,
@@ -40,6 +54,10 @@ class Applier:
     def __init__(self, registry: Registry, counters: Counters) -> None:
         self.registry = registry
         self.counters = counters
+        self.tracking = False
+        """Whether requests keep a ``Progress`` (a restart policy is set)."""
+        self.faulted: Callable[[], bool] = lambda: False
+        """Whether the watchdog saw the engine die (then a failing call is the death's)."""
 
     def apply(self, engine: EngineLike, command: Command, outbox: Outbox) -> None:
         match command:
@@ -53,7 +71,7 @@ class Applier:
                 try:
                     result = command.fn(engine)
                 except Exception as exc:
-                    if is_engine_dead(exc):
+                    if is_engine_dead(exc) or self.faulted():
                         raise
                     # A call into a core that died meanwhile fails with the watchdog's
                     # cause: report the death, as every other command gets.
@@ -83,6 +101,8 @@ class Applier:
                     ),
                     command,
                 )
+            case Adopt():
+                self._adopt(engine, command, outbox)
             case Resume():
                 admitted = len(self.registry.control.parked)
                 self.change(engine, outbox, lambda c: c.resume(command.reply), command)
@@ -159,13 +179,39 @@ class Applier:
             return
         if not self.registry.routes:
             self.counters.busy_since = time.perf_counter()
-        error = self.registry.add_route(request_id, Route(add.sink, add.sink.loop))
+        progress = Progress(add) if self.tracking else None
+        error = self.registry.add_route(request_id, Route(add.sink, add.sink.loop, progress))
         if error is not None:  # closed or dead meanwhile: the end can't see it
             outbox.post(add.sink.loop, add.sink.fail, error)
             return
         self.counters.loops.add(add.sink.loop)
         if enabled(logging.DEBUG):
             emit(logging.DEBUG, "request added", request_id=request_id, step=self.counters.steps)
+
+    def _adopt(self, engine: EngineLike, adopt: Adopt, outbox: Outbox) -> None:
+        # A dead pool member's request, continued here as a restart would continue it.
+        route, request_id = adopt.route, adopt.request_id
+        assert route.progress is not None
+        failure: BaseException | None = None
+        if request_id in self.registry.routes:
+            failure = ValueError(f"request id {request_id!r} is already in flight")
+        else:
+            try:
+                readmissions = route.progress.readmissions(adopt.detokenizers)
+            except RequestNotResumedError as refused:
+                refused.__cause__ = adopt.cause
+                failure = refused
+        if failure is not None:
+            outbox.post(route.loop, route.sink.fail, failure)
+            return
+        for item in readmissions:
+            engine.add_request(item.engine_id, item.prompt, item.params, **item.kwargs)
+        error = self.registry.add_route(request_id, route)
+        if error is not None:  # closed or dead meanwhile
+            outbox.post(route.loop, route.sink.fail, error)
+            return
+        self.registry.readmitted(request_id, route)
+        outbox.post(route.loop, route.sink.resumed)
 
     def _abort(
         self, engine: EngineLike, request_ids: Sequence[str], outbox: Outbox, why: str
@@ -185,12 +231,15 @@ class Applier:
         if route is None:
             return  # unknown or finished: a no-op
         outbox.post(route.loop, route.sink.aborting, why)
-        for out in abort_outputs(engine, request_id):
-            outbox.post(route.loop, route.sink.push, out)
-            self.counters.outputs_delivered += 1
-        # Runs after the pushes; a no-op if one of them was final.
+        if route.progress is None or not route.progress.resumed:
+            for out in abort_outputs(engine, request_id):
+                if route.progress is not None:
+                    out = route.progress.see(out) or out
+                outbox.post(route.loop, route.sink.push, out)
+                self.counters.outputs_delivered += 1
+        # Runs after the pushes; a no-op if one of them was final (resumed: the only end).
         outbox.post(route.loop, route.sink.abort)
-        engine.abort_request([request_id])
+        engine.abort_request(route.engine_ids(request_id))
         self.counters.requests_aborted += 1
         self.counters.requests_finished += 1
 

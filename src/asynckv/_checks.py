@@ -14,8 +14,16 @@ from typing import get_args
 from vllm.sampling_params import SamplingParams
 
 from ._control import PauseMode
+from ._restart import RestartPolicy
 
-__all__ = ("pause_mode", "request_id", "request_ids", "sampling_params", "stream_interval")
+__all__ = (
+    "pause_mode",
+    "request_id",
+    "request_ids",
+    "restart",
+    "sampling_params",
+    "stream_interval",
+)
 
 
 def sampling_params(params: object) -> SamplingParams:
@@ -61,3 +69,10 @@ def stream_interval(seconds: object) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"stream_interval must be finite and >= 0, got {seconds}")
     return float(seconds)
+
+
+def restart(policy: object) -> RestartPolicy | None:
+    """The restart policy: None (a death is final) or a ``RestartPolicy``."""
+    if policy is not None and not isinstance(policy, RestartPolicy):
+        raise TypeError(f"restart must be a RestartPolicy or None, not {type(policy).__name__}")
+    return policy

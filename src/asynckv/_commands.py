@@ -24,11 +24,14 @@ if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
 
     from ._loops import Future, Loop
+    from ._registry import Route
+    from ._resume import Decoded
     from ._sink import _Sink
 
 __all__ = (
     "Abort",
     "Add",
+    "Adopt",
     "Call",
     "Command",
     "Hold",
@@ -198,7 +201,24 @@ class Resume:
         self.reply.fail(outbox, error)
 
 
-Command = Add | Abort | Call | Hold | Release | Pause | Resume
+@dataclass(eq=False)
+class Adopt:
+    """Continue a request of a pool member that died on this engine (pool failover).
+
+    ``route`` keeps the request's stream and ``Progress``; ``detokenizers``
+    are the dead engine's, taken before its shutdown.
+    """
+
+    request_id: str
+    route: Route
+    detokenizers: Decoded
+    cause: BaseException
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        outbox.post(self.route.loop, self.route.sink.fail, error)
+
+
+Command = Add | Abort | Adopt | Call | Hold | Release | Pause | Resume
 
 
 def fail_all(commands: list[Command], error: BaseException) -> None:

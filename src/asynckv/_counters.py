@@ -39,6 +39,7 @@ class Snapshot(NamedTuple):
     requests_finished: int
     requests_aborted: int
     loops_served: int
+    restarts: int
 
 
 @dataclass(slots=True)
@@ -56,6 +57,8 @@ class Counters:
     """When the worker last went from no request to some."""
     in_step_since: float | None = None
     """When the ``step()`` now running began."""
+    restarts: int = 0
+    """Restarts of a dead engine completed (``RestartPolicy``)."""
     loops: weakref.WeakSet[Loop] = field(default_factory=weakref.WeakSet)
 
     def count_step(self, began: float) -> None:
@@ -100,4 +103,5 @@ class Counters:
             requests_finished=self.requests_finished,
             requests_aborted=self.requests_aborted,
             loops_served=len(self.loops),
+            restarts=self.restarts,
         )

@@ -22,6 +22,7 @@ from ._asyncllm import AsyncLLMMethods, BuildRecord
 from ._commands import Abort, Add, Reply
 from ._engine_control import EngineControl
 from ._errors import EngineClosedError, EngineNotStartedError
+from ._restart import RestartPolicy
 from ._sink import _Sink
 from ._stream import RequestStream
 from ._worker import Worker
@@ -65,6 +66,11 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
     ``stream_interval`` (seconds, default 0): the default of ``generate``'s
     own, which makes a stream wake its consumer at most once per interval.
 
+    ``rebuild`` (a wrapped engine only): a callable that builds a new engine
+    after this one died; with it, ``restart`` (default ``RestartPolicy()``)
+    says how often. ``from_engine_args(..., restart=...)`` rebuilds from the
+    same arguments. Without either, a death is final, as it always was.
+
     It also has ``AsyncLLM``'s names and shapes for what the two share
     (``get_tokenizer``, ``tokenizer``, ``add_request``, ``sleep``, LoRA, profiling,
     the cache resets, ...), so code written for ``AsyncLLM`` runs on it; and
@@ -75,10 +81,20 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
     """
 
     def __init__(
-        self, llm_engine: EngineLike, *, freeze_gc: bool = True, stream_interval: float = 0.0
+        self,
+        llm_engine: EngineLike,
+        *,
+        freeze_gc: bool = True,
+        stream_interval: float = 0.0,
+        rebuild: Callable[[], EngineLike] | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
+        if restart is not None and rebuild is None:
+            raise ValueError("restart needs rebuild=: a wrapped engine can't be rebuilt without it")
+        if rebuild is not None and restart is None:
+            restart = RestartPolicy()
         self._record = BuildRecord(llm_engine)
-        self._worker = Worker(lambda: llm_engine, freeze_gc)
+        self._worker = Worker(lambda: llm_engine, freeze_gc, _checks.restart(restart), rebuild)
         self._closed = False
         self.stream_interval = _checks.stream_interval(stream_interval)
         """The default of ``generate(stream_interval=...)``, seconds (0: every output at once)."""
@@ -94,6 +110,7 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         *,
         freeze_gc: bool = True,
         stream_interval: float = 0.0,
+        restart: RestartPolicy | None = None,
     ) -> AsyncEngine:
         """Make an engine that ``start()`` will build from ``engine_args``.
 
@@ -102,6 +119,11 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         to ``LLMEngine.from_engine_args``; ``start_engine_loop`` is accepted for
         ``AsyncLLM``'s signature and, as there, changes nothing. ``freeze_gc``
         and ``stream_interval``: see the class.
+
+        ``restart`` (default None: a death is final): rebuild a dead engine from
+        the same arguments and resume every unfinished request where it
+        stopped, within the policy's limits (``RestartPolicy``;
+        docs/reliability.md, "Restart and resume").
         """
         from vllm import LLMEngine
 
@@ -111,15 +133,22 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
             usage_context=usage_context,
             stat_loggers=stat_loggers,
         )
-        return cls._unstarted(build, freeze_gc, stream_interval)
+        return cls._unstarted(build, freeze_gc, stream_interval, restart)
 
     @classmethod
     def _unstarted(
-        cls, build: Callable[[], LLMEngine], freeze_gc: bool, stream_interval: float = 0.0
+        cls,
+        build: Callable[[], LLMEngine],
+        freeze_gc: bool,
+        stream_interval: float = 0.0,
+        restart: RestartPolicy | None = None,
     ) -> AsyncEngine:
         self = cls.__new__(cls)
         self._record = BuildRecord()
-        self._worker = Worker(self._record.wrap(build), freeze_gc)
+        # A rebuilt engine is not recorded: the loop reads the first one's configs
+        # and renderer, which a rebuild from the same arguments leaves as they were.
+        policy = _checks.restart(restart)
+        self._worker = Worker(self._record.wrap(build), freeze_gc, policy, build)
         self._closed = False
         self.stream_interval = _checks.stream_interval(stream_interval)
         return self
@@ -250,9 +279,11 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         return RequestStream(rid, sink, self._abort_soon)
 
     def _abort_soon(self, request_id: str, why: str) -> None:
-        # Called from streams abandoned by cancel, break or GC: never raise.
+        # Called from streams abandoned by cancel, break or GC: never raise. A request
+        # that a pool member adopted (failover) is aborted there.
+        inbox = self._worker.forwarded.get(request_id, self._worker.inbox)
         with contextlib.suppress(Exception):
-            self._worker.inbox.put(Abort([request_id], None, why))
+            inbox.put(Abort([request_id], None, why))
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests and return once they are out of the engine.

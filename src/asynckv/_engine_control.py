@@ -18,8 +18,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _checks
 from ._commands import Call, Hold, Pause, PauseMode, Release, Reply, Resume
-from ._errors import EngineClosedError, EngineDeadError, EngineStalledError
+from ._errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineRestartingError,
+    EngineStalledError,
+)
 from ._log import emit
+from ._registry import Life
 from ._stats import EngineStats
 from ._steps import StepStream
 
@@ -131,6 +137,7 @@ class EngineControl:
             requests_finished=snap.requests_finished,
             requests_aborted=snap.requests_aborted,
             loops_served=snap.loops_served,
+            restarts=snap.restarts,
         )
 
     @property
@@ -215,7 +222,9 @@ class EngineControl:
 
         Raises:
             EngineClosedError: the engine was closed.
-            EngineDeadError: the engine died.
+            EngineDeadError: the engine died (with a ``RestartPolicy``: beyond it).
+            EngineRestartingError: a dead engine is being rebuilt (its
+                ``RestartPolicy``): degraded, not dead; requests wait and resume.
             EngineStalledError: a ``step()`` has been running for longer than
                 ``stall_timeout`` seconds, or requests are unfinished, nothing
                 holds the engine (``paused()``, a "keep" pause) and no step has
@@ -225,6 +234,8 @@ class EngineControl:
         snap = self._worker.snapshot()
         if (error := snap.dead_error) is not None:
             raise error
+        if snap.life is Life.RESTARTING:
+            raise EngineRestartingError(self._worker.restart_cause)
         if stall_timeout is None:
             return
         now = time.perf_counter()
@@ -237,6 +248,11 @@ class EngineControl:
         idle = now - max(snap.last_step_end or 0.0, snap.busy_since)
         if idle > stall_timeout:
             raise EngineStalledError(idle, snap.in_flight)
+
+    @property
+    def restarting(self) -> bool:
+        """Whether a dead engine is being rebuilt now (``RestartPolicy``): degraded, not dead."""
+        return self._worker.registry.life is Life.RESTARTING
 
     @property
     def errored(self) -> bool:

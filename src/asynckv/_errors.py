@@ -13,7 +13,9 @@ __all__ = (
     "EngineDeadError",
     "EngineHeldError",
     "EngineNotStartedError",
+    "EngineRestartingError",
     "EngineStalledError",
+    "RequestNotResumedError",
 )
 
 
@@ -55,15 +57,56 @@ class EngineDeadError(AsyncKVError, _VllmEngineDeadError):  # type: ignore[misc]
     It is also a ``vllm.v1.engine.exceptions.EngineDeadError``, so code that
     catches vLLM's error (vLLM's own OpenAI server among it: a 500, then the
     server stops) catches this one.
+
+    With a ``RestartPolicy`` it is raised only once the policy is spent (or
+    a rebuild failed): ``deaths`` holds each death's cause, in order, and the
+    message names every one. Without a policy ``deaths`` is ``(cause,)``.
     """
 
-    def __init__(self, cause: BaseException) -> None:
-        detail = str(cause)
-        name = type(cause).__name__
+    def __init__(self, cause: BaseException, deaths: tuple[BaseException, ...] = ()) -> None:
+        self.deaths: tuple[BaseException, ...] = deaths or (cause,)
+        """Each death's cause, in order; the last is ``__cause__``."""
+        if len(self.deaths) == 1:
+            message = f"the engine died: {_name(cause)}"
+        else:
+            each = "; ".join(f"{i}) {_name(c)}" for i, c in enumerate(self.deaths, 1))
+            message = f"the engine died {len(self.deaths)} times, beyond its restart policy: {each}"
         # Not vLLM's __init__: it would put its fixed message before ours in args.
-        Exception.__init__(
-            self, f"the engine died: {name}: {detail}" if detail else f"the engine died: {name}"
-        )
+        Exception.__init__(self, message)
+        self.__cause__ = cause
+
+
+def _name(cause: BaseException) -> str:
+    detail = str(cause)
+    name = type(cause).__name__
+    return f"{name}: {detail}" if detail else name
+
+
+class EngineRestartingError(AsyncKVError):
+    """Raised by ``check_health`` while a dead engine is being rebuilt (its ``RestartPolicy``).
+
+    The engine is degraded, not dead: requests and commands wait, and the
+    unfinished requests resume once it is back. ``__cause__`` is the death.
+    """
+
+    def __init__(self, cause: BaseException | None) -> None:
+        why = f" after {_name(cause)}" if cause is not None else ""
+        super().__init__(f"the engine is restarting{why}")
+        self.__cause__ = cause
+
+
+class RequestNotResumedError(AsyncKVError):
+    """Raised by a stream whose request could not be resumed exactly after a restart.
+
+    The engine restarted (``RestartPolicy``) with tokens of this request
+    already sent, and its parameters need state that a new engine can't
+    rebuild from the tokens alone (docs/reliability.md lists them: structured
+    outputs, presence and frequency penalties, multimodal and pre-built
+    prompts). The other requests resumed; ``__cause__`` is the death.
+    """
+
+    def __init__(self, request_id: str, reason: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"request {request_id!r} could not be resumed after a restart: {reason}")
         self.__cause__ = cause
 
 

@@ -52,6 +52,8 @@ class RequestMetrics:
     """
     finish_reason: str | None
     """The first completion's finish reason ("length", "stop", "abort", ...)."""
+    restarts: int = 0
+    """Restarts of a dead engine that the request lived through (``RestartPolicy``)."""
 
     @property
     def queue_time(self) -> float | None:
@@ -82,6 +84,7 @@ class Timeline:
         "first_at",
         "metrics",
         "request_id",
+        "restarts",
         "stats",
     )
 
@@ -92,6 +95,7 @@ class Timeline:
         self.stats: Any = None
         self.abort_reason: str | None = None
         self.metrics: RequestMetrics | None = None
+        self.restarts = 0
         self._submitted = time.monotonic()
 
     def output(self, out: RequestOutput, kind: RequestOutputKind) -> None:
@@ -130,6 +134,7 @@ class Timeline:
             n=max(1, len(final.outputs)),
             preemptions=None if preemptions is None else int(preemptions),
             finish_reason=reason,
+            restarts=self.restarts,
         )
         if not enabled(logging.INFO):
             return

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from . import _checks
+from . import _checks, _failover
 from ._affinity import PrefixIndex, Router
 from ._engine import AsyncEngine
 from ._errors import EngineClosedError, EngineDeadError
 from ._gather import gather, settle
 from ._pool_control import PoolControl
+from ._restart import RestartPolicy
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -62,6 +63,13 @@ class AsyncEnginePool(PoolControl):
     request to it and keeps serving from the others. Only when every engine
     is dead do ``generate`` and ``reset_prefix_cache`` raise ``EngineDeadError``.
 
+    With a ``RestartPolicy`` on the engines, a member that dies hands its
+    unfinished requests to the least loaded live member, where each resumes
+    from its last token (as a restart resumes it; ``pool.abort`` and a
+    stream's own abort follow it there), then restarts in the background; it
+    takes no new request while it rebuilds, if another can serve, and rejoins
+    once it is up. With no live member to take them, they resume on it.
+
     The pool owns its engines: ``start()`` starts them all, ``aclose()`` closes
     them all. Build one with ``AsyncEnginePool.from_engine_args([...])`` or
     around engines you made, ``AsyncEnginePool([engine, ...])``. Reset, pause,
@@ -89,6 +97,7 @@ class AsyncEnginePool(PoolControl):
             self._engines, affinity_slack, PrefixIndex(block_tokens, block_chars, max_prefixes)
         )
         self._closed = False
+        _failover.install(self._engines, self._lock, self._router)
 
     @classmethod
     def from_engine_args(
@@ -100,14 +109,20 @@ class AsyncEnginePool(PoolControl):
         block_chars: int = 64,
         max_prefixes: int = 65_536,
         freeze_gc: bool = True,
+        restart: RestartPolicy | None = None,
     ) -> AsyncEnginePool:
         """Make a pool of one engine per ``EngineArgs``; ``start()`` builds them all.
 
-        Does no heavy work. ``freeze_gc`` is ``AsyncEngine``'s; the other
-        keyword arguments are those of ``AsyncEnginePool``.
+        Does no heavy work. ``freeze_gc`` and ``restart`` are ``AsyncEngine``'s;
+        with ``restart``, a member that dies hands its unfinished requests to a
+        live member, where they resume, and restarts in the background (see
+        the class). The other keyword arguments are those of ``AsyncEnginePool``.
         """
         return cls(
-            [AsyncEngine.from_engine_args(args, freeze_gc=freeze_gc) for args in engine_args],
+            [
+                AsyncEngine.from_engine_args(args, freeze_gc=freeze_gc, restart=restart)
+                for args in engine_args
+            ],
             affinity_slack=affinity_slack,
             block_tokens=block_tokens,
             block_chars=block_chars,

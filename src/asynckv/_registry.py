@@ -23,17 +23,23 @@ if TYPE_CHECKING:
     from ._commands import Add, Command, Outbox, Reply
     from ._inbox import Inbox
     from ._loops import Loop
+    from ._resume import Progress
     from ._sink import _Sink
 
 __all__ = ("Ended", "Life", "Registry", "Route")
 
 
 class Life(enum.Enum):
-    """The worker's lifecycle: NEW -> STARTING -> RUNNING -> DEAD or CLOSED (DEAD -> CLOSED)."""
+    """The worker's lifecycle: NEW -> STARTING -> RUNNING -> DEAD or CLOSED (DEAD -> CLOSED).
+
+    With a ``RestartPolicy``, RUNNING -> RESTARTING -> RUNNING while a dead
+    engine is rebuilt (RESTARTING -> DEAD or CLOSED too).
+    """
 
     NEW = "new"
     STARTING = "starting"
     RUNNING = "running"
+    RESTARTING = "restarting"
     DEAD = "dead"
     CLOSED = "closed"
 
@@ -44,6 +50,12 @@ class Route:
 
     sink: _Sink
     loop: Loop
+    progress: Progress | None = None
+    """What was sent, to resume it after a restart (only with a ``RestartPolicy``)."""
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        """The ids of the engine requests that carry it now."""
+        return [request_id] if self.progress is None else list(self.progress.engine_ids)
 
 
 @dataclass(slots=True)
@@ -84,6 +96,10 @@ class Registry:
         self.life = Life.NEW
         self.control: ControlState = Control()
         self.routes: dict[str, Route] = {}
+        self.aliases: dict[str, Route] = {}
+        """Engine ids of resumed completions (``n > 1``) -> their request's route."""
+        self.stopped: list[str] = []
+        """Engine requests ended by a stop string across a resume's join (to abort)."""
         self.error: BaseException | None = None
         """Why it ended: the ``EngineClosedError`` or ``EngineDeadError`` (None while alive)."""
         self.dead_error: BaseException | None = None
@@ -95,7 +111,7 @@ class Registry:
         return self.error is not None
 
     def set_life(self, life: Life) -> None:
-        """Move NEW -> STARTING -> RUNNING; ignored once ended (worker thread)."""
+        """Move NEW -> STARTING -> RUNNING (<-> RESTARTING); ignored once ended (worker thread)."""
         with self._lock:
             if self.error is None:
                 self.life = life
@@ -123,7 +139,36 @@ class Registry:
     def pop_route(self, request_id: str) -> Route | None:
         """Stop routing a request (aborted); None if unknown or finished."""
         with self._lock:
-            return self.routes.pop(request_id, None)
+            route = self.routes.pop(request_id, None)
+            if route is not None and route.progress is not None:
+                self._unalias(route.progress)
+            return route
+
+    def _unalias(self, progress: Progress) -> None:
+        if self.aliases:
+            for engine_id in progress.engine_ids:
+                self.aliases.pop(engine_id, None)
+
+    def take_routes(self) -> list[tuple[str, Route]]:
+        """Stop routing every request and return them (a pool member hands them over)."""
+        with self._lock:
+            taken = list(self.routes.items())
+            self.routes, self.aliases = {}, {}
+            return taken
+
+    def put_routes(self, routes: list[tuple[str, Route]]) -> None:
+        """Route again what ``take_routes`` took and nobody adopted."""
+        with self._lock:
+            for request_id, route in routes:
+                self.routes[request_id] = route
+
+    def readmitted(self, request_id: str, route: Route) -> None:
+        """Route a resumed request's new engine ids (worker thread, during a restart)."""
+        assert route.progress is not None
+        with self._lock:
+            for engine_id in route.progress.engine_ids:
+                if engine_id != request_id:
+                    self.aliases[engine_id] = route
 
     def dispatch(self, outputs: Iterable[Any], outbox: Outbox) -> tuple[int, int]:
         """Post each output to its stream; return (delivered, finished)."""
@@ -133,7 +178,19 @@ class Registry:
             for out in outputs:
                 route = routes.get(out.request_id)
                 if route is None:
-                    continue  # aborted since, or not ours
+                    route = self.aliases.get(out.request_id) if self.aliases else None
+                    if route is None:
+                        continue  # aborted since, or not ours
+                if route.progress is not None:
+                    progress = route.progress
+                    out = progress.see(out)
+                    if progress.stopped:
+                        self.stopped += progress.stopped
+                        progress.stopped = []
+                    if out is None:
+                        continue
+                    if out.finished:
+                        self._unalias(progress)
                 outbox.post(route.loop, route.sink.push, out)
                 delivered += 1
                 if out.finished:
@@ -145,10 +202,14 @@ class Registry:
         """Drop a closed loop's routes and parked requests; return the ids to abort."""
         with self._lock:
             ids = [rid for rid, route in self.routes.items() if route.loop is loop]
+            engine_ids = []
             for rid in ids:
-                del self.routes[rid]
+                route = self.routes.pop(rid)
+                engine_ids += route.engine_ids(rid)
+                if route.progress is not None:
+                    self._unalias(route.progress)
             self.control = self.control.forget(lambda add: add.sink.loop is loop)
-        return ids
+        return engine_ids
 
     def end(self, life: Life, error: BaseException) -> Ended | None:
         """Die or close: refuse every later command and take everything that waits.
@@ -171,5 +232,6 @@ class Registry:
             sinks = [route.sink for route in self.routes.values()]
             sinks += [add.sink for add in parked]
             self.routes = {}
+            self.aliases = {}
             self.control = Control(core=self.control.core)
             return Ended(error, commands, sinks, replies)

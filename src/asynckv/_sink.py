@@ -2,7 +2,7 @@
 
 Everything here runs on the event loop (asyncio loop or trio run) that
 created the stream, except that the worker schedules ``_Sink.push``,
-``aborting``, ``abort`` and ``fail`` onto that loop with ``Loop.post``
+``aborting``, ``abort``, ``resumed`` and ``fail`` onto that loop with ``Loop.post``
 (never calls them directly). So no lock is needed: the buffer is only ever
 touched by its own loop.
 """
@@ -109,6 +109,10 @@ class _Sink:
         self.timeline.output(out, self.kind)
         if out.finished:
             self.timeline.finish(self._pending or out, self.kind)
+
+    def resumed(self) -> None:
+        """Note that the request lives on in a rebuilt engine (on the loop, from the worker)."""
+        self.timeline.restarts += 1
 
     def aborting(self, why: str) -> None:
         """Note why the request is being aborted (on the loop, before its final output)."""

@@ -39,6 +39,8 @@ class EngineStats(NamedTuple):
     """Requests aborted in the engine (by cancel, break, aclose, GC, abort() or a closed loop)."""
     loops_served: int
     """Distinct event loops that have submitted requests."""
+    restarts: int = 0
+    """Times a dead engine was rebuilt and its requests resumed (``RestartPolicy``)."""
 
     @classmethod
     def combine(cls, each: list[EngineStats]) -> EngineStats:
@@ -57,4 +59,5 @@ class EngineStats(NamedTuple):
             requests_finished=sum(s.requests_finished for s in each),
             requests_aborted=sum(s.requests_aborted for s in each),
             loops_served=max(s.loops_served for s in each),
+            restarts=sum(s.restarts for s in each),
         )

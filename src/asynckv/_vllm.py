@@ -39,6 +39,7 @@ __all__ = (
     "VllmEngineDeadError",
     "abort_outputs",
     "copy_delta",
+    "detokenizers",
     "engine_processes",
     "exit_status",
     "fail_utility_calls",
@@ -124,6 +125,33 @@ def abort_outputs(engine: EngineLike, request_id: str) -> list[RequestOutput]:
         if out is not None:
             outputs.append(out)
     return outputs
+
+
+def detokenizers(engine: EngineLike, request_id: str) -> list[tuple[int, Any]]:
+    """The detokenizer of each of a request's completions: (index, detokenizer).
+
+    Read on the worker thread from a dead engine's output processor (it lives
+    on the client side, so it outlives the engine-core process). Continued
+    with the tokens of a resumed request, a detokenizer gives the text, and
+    finds the stop strings, exactly as it would have without the death: it
+    holds the text decoded so far, what was streamed of it, and the decoding
+    state at the join. Empty where this vLLM lays its states out differently.
+    """
+    processor = getattr(engine, "output_processor", None)
+    mapping = getattr(processor, "external_req_ids", None)
+    states = getattr(processor, "request_states", None)
+    if mapping is None or states is None:
+        return []
+    found = []
+    for internal_id in list(mapping.get(request_id, ())):
+        state = states.get(internal_id)
+        detokenizer = getattr(state, "detokenizer", None)
+        if all(
+            hasattr(detokenizer, name)
+            for name in ("update", "get_next_output_text", "output_token_ids", "output_text")
+        ):
+            found.append((int(getattr(state, "request_index", 0)), detokenizer))
+    return found
 
 
 def engine_processes(engine: EngineLike) -> list[BaseProcess]:

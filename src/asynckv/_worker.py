@@ -16,6 +16,12 @@ once the output is there. That nudge is a hook into vLLM's internals, so
 every such sleep is bounded: were the hook to stop firing, the worker would
 only poll, and before the hook has ever fired it steps anyway (blocking, as
 without the hook).
+
+With a ``RestartPolicy`` a death doesn't end the streams: the worker keeps
+the inbox open (commands wait there), rebuilds the engine, re-adds every
+unfinished request as its continuation (``_resume.py``), and serves again;
+the commands it was applying when the engine died are applied again first.
+``_restart.py`` decides, at each death, whether the policy allows it.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ from ._counters import Counters, Snapshot
 from ._errors import EngineClosedError, EngineDeadError
 from ._inbox import Inbox
 from ._log import emit
+from ._recover import Recovery
 from ._registry import Life, Registry
+from ._restart import RestartPolicy
+from ._resume import Decoded
 from ._steps import StepHub
 from ._vllm import (
     EngineLike,
@@ -49,9 +58,13 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
     from ._loops import Loop
+    from ._registry import Route
 
 
-__all__ = ("Worker",)
+__all__ = ("Handoff", "Worker")
+
+Handoff = Callable[[list[tuple[str, "Route"]], Decoded, BaseException], list[tuple[str, "Route"]]]
+"""A pool's failover: (routes, detokenizers, cause) -> the routes it could not place."""
 
 # Bounds on the sleep while the core computes (see the module docstring).
 _POLL_SECONDS = 0.05  # once the output hook has fired: a silent hook only slows us
@@ -61,7 +74,13 @@ _FIRST_WAIT_SECONDS = 0.02  # before it ever fired: then step (and block) anyway
 class Worker:
     """Owns one engine on a thread of its own; see the module docstring."""
 
-    def __init__(self, build: Callable[[], EngineLike], freeze_gc: bool = False) -> None:
+    def __init__(
+        self,
+        build: Callable[[], EngineLike],
+        freeze_gc: bool = False,
+        restart: RestartPolicy | None = None,
+        rebuild: Callable[[], EngineLike] | None = None,
+    ) -> None:
         self.inbox: Inbox[Command] = Inbox()
         self.registry = Registry(self.inbox)
         self.counters = Counters()
@@ -78,6 +97,23 @@ class Worker:
         self._output_ready: Callable[[], bool] | None = None
         self._hook_fired = False
         self._applier = Applier(self.registry, self.counters)
+        # -- restarts (only with a policy) --
+        self._recovery = (
+            None
+            if restart is None
+            else Recovery(restart, rebuild or build, self.registry, self.counters)
+        )
+        self._generation = 0  # which engine the watchdog's reports are about
+        self._fault: BaseException | None = None
+        """A death the watchdog saw (written there, read by the worker: one word)."""
+        self._carry: deque[Command] = deque()  # commands to apply again on the new engine
+        self._left = threading.Event()  # set once the worker leaves the current engine
+        self.handoff: Handoff | None = None
+        """Set by a pool: hands a dead engine's requests to a live member, returns the rest."""
+        self.forwarded: dict[str, Inbox[Command]] = {}
+        """Request id -> the inbox of the pool member that adopted it (aborts go there)."""
+        self._applier.tracking = restart is not None
+        self._applier.faulted = lambda: self._fault is not None
 
     # -- any thread ----------------------------------------------------------------
 
@@ -86,6 +122,11 @@ class Worker:
         self._started = reply
         self.registry.set_life(Life.STARTING)
         self._thread.start()
+
+    @property
+    def restart_cause(self) -> BaseException | None:
+        """While a dead engine is being rebuilt, the death that began it; else None."""
+        return None if self._recovery is None else self._recovery.cause
 
     @property
     def started(self) -> bool:
@@ -114,6 +155,7 @@ class Worker:
         """
         self._end(Life.CLOSED, EngineClosedError())
         self._closing.set()
+        self._left.set()
         if self.started and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         for process in self._processes:
@@ -125,13 +167,21 @@ class Worker:
                     emit(logging.DEBUG, "engine process kill failed", error=str(exc))
         emit(logging.INFO, "engine closed", steps=self.counters.steps)
 
-    def die(self, cause: BaseException) -> None:
+    def die(self, cause: BaseException, deaths: tuple[BaseException, ...] = ()) -> None:
         """Declare the engine dead: end everything in flight with ``EngineDeadError``.
 
         Idempotent, any thread. Ignored once closed: a close kills the processes.
+        ``deaths``: every death's cause, when a restart policy is spent.
         """
-        if self._end(Life.DEAD, EngineDeadError(cause)):
+        if self._end(Life.DEAD, EngineDeadError(cause, deaths)):
             emit(logging.ERROR, "engine dead", error=str(self.registry.error), exc_info=cause)
+
+    def _core_died(self, generation: int, cause: BaseException) -> None:
+        # The watchdog, with a restart policy: the worker restarts (it notices at
+        # its next pass, or its blocked step() raises ``cause``).
+        if generation == self._generation:
+            self._fault = cause
+            self.inbox.nudge()
 
     def _end(self, life: Life, error: BaseException) -> bool:
         ended = self.registry.end(life, error)
@@ -157,21 +207,56 @@ class Worker:
             self.die(exc)
             outbox.flush()
             return
-        try:
-            self._serve(engine, outbox, began)
-        except BaseException as exc:  # step() or the engine broke: the engine is dead
-            self.die(exc)
-        finally:
-            shutdown_core(engine)
+        first = True
+        while True:
+            decoded: Decoded = {}
+            try:
+                self._serve(engine, outbox, began, first)
+                return
+            except BaseException as exc:  # step() or the engine broke: the engine is dead
+                cause = self._fault or exc
+                recovery = self._recovery
+                if recovery is None or self.registry.ended:
+                    self.die(cause)
+                    return
+                if (deaths := recovery.died(cause)) is not None:
+                    self.die(cause, deaths)
+                    return
+                decoded = recovery.decoded(engine)
+                if self.handoff is not None and self.registry.routes:
+                    kept = self.handoff(self.registry.take_routes(), decoded, cause)
+                    self.registry.put_routes(kept)
+            finally:
+                self._left.set()
+                shutdown_core(engine)
+            self._generation += 1
+            self._fault = None
+            self._left = threading.Event()
+            rebuilt = recovery.rebuilt(decoded)
+            if isinstance(rebuilt, tuple):
+                self.die(rebuilt[-1], rebuilt)
+            if rebuilt is None or isinstance(rebuilt, tuple):
+                return
+            engine, first = rebuilt, False
 
-    def _serve(self, engine: EngineLike, outbox: Outbox, began: float) -> None:
+    def _serve(self, engine: EngineLike, outbox: Outbox, began: float, first: bool = True) -> None:
         self._processes = engine_processes(engine)
-        self.registry.set_core(has_core_process(engine))
+        if first:
+            self.registry.set_core(has_core_process(engine))
+        self._hook_fired = False
         self._output_ready = watch_outputs(engine, self._output_arrived)
-        if self._freeze_gc:
+        if self._freeze_gc and first:
             _freeze_heap()
-        _watchdog.start(self._processes, engine, self.die, self._closing, self._thread)
+        generation = self._generation
+        if self._recovery is None:
+            on_death: Callable[[BaseException], None] = self.die
+        else:
+            on_death = lambda cause: self._core_died(generation, cause)  # noqa: E731
+        _watchdog.start(self._processes, engine, on_death, self._left, self._thread)
         self.registry.set_life(Life.RUNNING)
+        if not first:
+            self._loop(engine)
+            return
         emit(
             logging.INFO,
             "engine started",
@@ -193,8 +278,16 @@ class Worker:
         inbox = self.inbox
         while not inbox.closed:
             commands, step_anyway = self._wait(engine)
+            if self._fault is not None:
+                self._carry.extend(commands)
+                raise self._fault
             outbox = Outbox()
             while commands:
+                if self._fault is not None:
+                    # The core died mid-batch (the watchdog): the rest waits for the new one.
+                    self._carry.extend(commands)
+                    outbox.flush()
+                    raise self._fault
                 if self.registry.ended:
                     # Died mid-batch (the watchdog): the rest must not reach the dead core.
                     error = self.registry.error or EngineDeadError(RuntimeError("ended"))
@@ -205,6 +298,11 @@ class Worker:
                 try:
                     self._applier.apply(engine, command, outbox)
                 except BaseException as exc:
+                    if self._recovery is not None and not self.registry.ended:
+                        # Restarting: the command is applied again on the new engine.
+                        self._carry.extend((command, *commands))
+                        outbox.flush()
+                        raise
                     # The engine broke mid-command: die() can't see this batch.
                     self.die(exc)
                     error = self.registry.error or exc
@@ -226,6 +324,10 @@ class Worker:
 
         Returns them, and whether to step even if no output is known to wait.
         """
+        if self._carry:
+            carried, self._carry = self._carry, deque()
+            carried.extend(self.inbox.take(block=False))
+            return carried, False
         if not self._may_step(engine):
             return self.inbox.take(block=True), False
         if self._output_waiting():
@@ -258,6 +360,10 @@ class Worker:
         delivered, finished = self.registry.dispatch(outputs, outbox)
         counters.outputs_delivered += delivered
         counters.requests_finished += finished
+        if self.registry.stopped:
+            # A resumed completion ended by a stop string across its join.
+            stopped, self.registry.stopped = self.registry.stopped, []
+            engine.abort_request(stopped)
         if self.registry.control.pending:
             steps = counters.steps
             self._applier.change(engine, outbox, lambda c: c.stepped(steps), None)

@@ -1,0 +1,368 @@
+"""Restart and resume on a fake engine: the policy, the splice, and what waits meanwhile.
+
+The real-engine tests (a SIGKILLed engine core) are in tests/reliability/test_kill_and_resume.py;
+these pin what a real engine can't be made to do at a chosen moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+from vllm import SamplingParams
+from vllm.outputs import CompletionOutput, RequestOutput
+
+from asynckv import (
+    AsyncEngine,
+    AsyncEnginePool,
+    EngineClosedError,
+    EngineDeadError,
+    EngineRestartingError,
+    RequestNotResumedError,
+    RestartPolicy,
+)
+from asynckv._commands import Add
+from asynckv._restart import Deaths
+from asynckv._resume import Progress
+from support import FakeEngine
+
+TWENTY = SamplingParams(max_tokens=20)
+
+
+@pytest.fixture
+def logs() -> Iterator[list[MutableMapping[str, Any]]]:
+    """Capture structlog events; restore structlog's defaults afterwards."""
+    with capture_logs() as captured:
+        yield captured
+    structlog.reset_defaults()
+
+
+def failing_after(fake: FakeEngine, steps: int, error: BaseException) -> None:
+    """Make ``fake``'s step raise ``error`` once ``steps`` steps have run."""
+    step = fake.step
+    count = 0
+
+    def counted() -> list[RequestOutput]:
+        nonlocal count
+        count += 1
+        if count > steps:
+            raise error
+        return step()
+
+    fake.step = counted  # type: ignore[method-assign]
+
+
+def test_deaths_within_the_window() -> None:
+    """The policy allows max_restarts deaths within any window seconds, and no more."""
+    deaths = Deaths(RestartPolicy(max_restarts=2, window=10.0))
+    assert deaths.record(OSError("1"), 0.0)
+    assert deaths.record(OSError("2"), 5.0)
+    assert not deaths.record(OSError("3"), 9.0)  # three within 10 s
+    spaced = Deaths(RestartPolicy(max_restarts=2, window=10.0))
+    assert [spaced.record(OSError(str(t)), t) for t in (0.0, 5.0, 10.0, 15.0)] == [True] * 4
+    assert spaced.restarts == 4
+    assert not Deaths(RestartPolicy(max_restarts=0)).record(OSError(), 0.0)
+
+
+def test_policy_checks_its_arguments() -> None:
+    """A negative max_restarts or a non-positive window is refused."""
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(max_restarts=-1)
+    with pytest.raises(ValueError, match="window"):
+        RestartPolicy(window=0)
+    with pytest.raises(ValueError, match="rebuild"):
+        AsyncEngine(FakeEngine(), restart=RestartPolicy())
+
+
+async def test_raising_step_restarts_and_resumes(logs: list[MutableMapping[str, Any]]) -> None:
+    """A raising step(): the engine is rebuilt and every stream continues from its last token."""
+    first, second = FakeEngine(), FakeEngine()
+    failing_after(first, 5, OSError("device lost"))
+    engine = AsyncEngine(first, rebuild=lambda: second)
+    first.gate.clear()  # so that all five are in before the death
+    streams = [engine.generate(f"r{i}", TWENTY, request_id=f"r{i}") for i in range(5)]
+    first.gate.set()
+    finals = await asyncio.wait_for(asyncio.gather(*streams), 10)
+    for final in finals:
+        (completion,) = final.outputs
+        assert completion.token_ids == list(range(20))
+        assert completion.finish_reason == "length"
+        assert final.prompt_token_ids == [1]
+    # The new engine got each request as its continuation: the prompt, then 5 tokens.
+    assert second.log.count("add r0") == 1
+    assert all(s.metrics is not None and s.metrics.restarts == 1 for s in streams)
+    assert engine.stats().restarts == 1
+    assert first.shut_down.is_set()
+    (event,) = [e for e in logs if e["event"] == "engine restarted"]
+    assert event["cause"] == "OSError: device lost"
+    assert event["requests_resumed"] == 5
+    assert event["downtime"] >= 0
+    await engine.aclose()
+
+
+async def test_beyond_the_policy_every_stream_ends_naming_each_death() -> None:
+    """More deaths within the window than max_restarts: EngineDeadError naming every death."""
+    fakes = [FakeEngine() for _ in range(3)]
+    for i, fake in enumerate(fakes):
+        failing_after(fake, 2, OSError(f"death {i + 1}"))
+    rebuilt = iter(fakes[1:])
+    engine = AsyncEngine(
+        fakes[0], rebuild=lambda: next(rebuilt), restart=RestartPolicy(max_restarts=1)
+    )
+    fakes[0].gate.clear()  # so that all three are in before the first death
+    streams = [engine.generate(f"r{i}", TWENTY) for i in range(3)]
+    fakes[0].gate.set()
+    for stream in streams:
+        with pytest.raises(EngineDeadError) as info:
+            await asyncio.wait_for(stream, 10)
+        error = info.value
+        assert [str(d) for d in error.deaths] == ["death 1", "death 2"]
+        assert "died 2 times" in str(error)
+        assert "1) OSError: death 1; 2) OSError: death 2" in str(error)
+        assert error.__cause__ is error.deaths[-1]
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    await engine.aclose()
+
+
+async def test_failed_rebuild_ends_everything() -> None:
+    """A rebuild that raises ends every stream with EngineDeadError naming both failures."""
+    first = FakeEngine()
+    failing_after(first, 2, OSError("device lost"))
+
+    def rebuild() -> FakeEngine:
+        raise RuntimeError("no memory for a new engine")
+
+    engine = AsyncEngine(first, rebuild=rebuild)
+    with pytest.raises(EngineDeadError, match="no memory for a new engine") as info:
+        await asyncio.wait_for(engine.generate("r", TWENTY), 10)
+    assert "OSError: device lost" in str(info.value)
+    await engine.aclose()
+
+
+async def test_commands_during_a_restart_wait_then_proceed() -> None:
+    """While rebuilding: check_health says restarting; new requests and calls wait, then run."""
+    first, second = FakeEngine(), FakeEngine()
+    failing_after(first, 3, OSError("device lost"))
+    building, release = threading.Event(), threading.Event()
+
+    def rebuild() -> FakeEngine:
+        building.set()
+        release.wait(10)
+        return second
+
+    engine = AsyncEngine(first, rebuild=rebuild)
+    before = engine.generate("before", TWENTY)
+    assert await asyncio.to_thread(building.wait, 10)
+    with pytest.raises(EngineRestartingError, match="restarting after OSError: device lost"):
+        await engine.check_health()
+    after = engine.generate("after", SamplingParams(max_tokens=3))
+    on_engine = asyncio.ensure_future(engine.run_on_engine(lambda e: e))
+    await asyncio.sleep(0.05)  # they reach the inbox (nothing could answer them yet)
+    assert not on_engine.done()
+    assert engine.stats().requests_in_flight == 1
+    release.set()
+    assert await asyncio.wait_for(on_engine, 10) is second
+    assert (await after).outputs[0].token_ids == [0, 1, 2]
+    assert (await before).outputs[0].token_ids == list(range(20))
+    await engine.check_health()
+    await engine.aclose()
+
+
+async def test_structured_outputs_are_not_resumed() -> None:
+    """A request whose sampling needs replayed state ends with RequestNotResumedError."""
+    first, second = FakeEngine(), FakeEngine()
+    failing_after(first, 3, OSError("device lost"))
+    engine = AsyncEngine(first, rebuild=lambda: second)
+    first.gate.clear()
+    penalised = engine.generate("p", SamplingParams(max_tokens=20, presence_penalty=0.5))
+    plain = engine.generate("q", TWENTY)
+    first.gate.set()
+    with pytest.raises(RequestNotResumedError, match="presence or frequency") as info:
+        await asyncio.wait_for(penalised, 10)
+    assert isinstance(info.value.__cause__, OSError)
+    assert (await plain).outputs[0].token_ids == list(range(20))
+    await engine.aclose()
+
+
+async def test_abort_of_a_resumed_request() -> None:
+    """Aborting a resumed request ends it with "abort" and takes it out of the new engine."""
+    first, second = FakeEngine(), FakeEngine()
+    failing_after(first, 3, OSError("device lost"))
+    engine = AsyncEngine(first, rebuild=lambda: second)
+    stream = engine.generate("a", SamplingParams(max_tokens=10**6), request_id="a")
+    async for out in stream:
+        if len(out.outputs[0].token_ids) > 6:
+            break
+    await engine.abort("a")
+    await stream.aclose()
+    assert "abort a" in second.log
+    assert await engine.run_on_engine(lambda e: e.get_num_unfinished_requests()) == 0
+    await engine.aclose()
+
+
+# -- the splice alone ------------------------------------------------------------------
+
+
+def _out(rid: str, text: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    reason = "length" if finished else None
+    completion = CompletionOutput(0, text, tokens, None, None, finish_reason=reason)
+    return RequestOutput(rid, "p", [7], None, [completion], finished)
+
+
+def _progress(params: SamplingParams) -> Progress:
+    sink: Any = None
+    return Progress(Add("r", "p", params, {}, sink))
+
+
+def test_stop_string_across_the_join_stops() -> None:
+    """Without vLLM's detokenizer: a stop string begun before the join and ended after stops."""
+    progress = _progress(SamplingParams(max_tokens=50, stop=["STOP"]))
+    progress.see(_out("r", "hello ST", [1, 2]))
+    (again,) = progress.readmissions({})
+    assert again.prompt == {"prompt_token_ids": [7, 1, 2]}
+    assert again.params.max_tokens == 48
+    spliced = progress.see(_out("r", "OP and on", [3, 4]))
+    assert spliced is not None
+    (completion,) = spliced.outputs
+    assert (completion.text, completion.finish_reason, completion.stop_reason) == (
+        "hello ",
+        "stop",
+        "STOP",
+    )
+    assert completion.token_ids == [1, 2, 3, 4]
+    assert spliced.finished
+    assert spliced.prompt_token_ids == [7]
+    assert progress.stopped == ["r"]  # the engine request is to be aborted
+
+
+def test_cumulative_splice_keeps_everything() -> None:
+    """CUMULATIVE after a resume: ids, text and logprobs from the first token; min_tokens cut."""
+    progress = _progress(SamplingParams(max_tokens=10, min_tokens=4, seed=3))
+    progress.see(_out("r", "ab", [1, 2]))
+    (again,) = progress.readmissions({})
+    assert (again.params.max_tokens, again.params.min_tokens) == (8, 2)
+    assert again.params.seed != 3  # documented: a new random stream, derived
+    spliced = progress.see(_out("r", "c", [3], finished=True))
+    assert spliced is not None
+    assert (spliced.outputs[0].text, spliced.outputs[0].token_ids) == ("abc", [1, 2, 3])
+    assert spliced.finished
+
+
+def test_n2_resumes_each_unfinished_completion() -> None:
+    """n=2: each unfinished completion is its own engine request, mapped back to its index."""
+    progress = _progress(SamplingParams(n=2, max_tokens=5))
+    out = _out("r", "a", [1])
+    out.outputs.append(CompletionOutput(1, "b", [2], None, None, None))
+    progress.see(out)
+    readmissions = progress.readmissions({})
+    assert [r.engine_id for r in readmissions] == ["r#1.0", "r#1.1"]
+    assert [r.prompt["prompt_token_ids"] for r in readmissions] == [[7, 1], [7, 2]]
+    assert all(r.params.n == 1 for r in readmissions)
+    one = progress.see(_out("r#1.1", "c", [3], finished=True))
+    assert one is not None and not one.finished
+    assert (one.outputs[0].index, one.outputs[0].token_ids) == (1, [2, 3])
+    both = progress.see(_out("r#1.0", "d", [4], finished=True))
+    assert both is not None and both.finished and both.request_id == "r"
+
+
+async def test_pool_fails_over_and_the_member_rejoins() -> None:
+    """A pool member dies: its requests resume on the live member; it rebuilds, then rejoins."""
+    dying, spare = FakeEngine(), FakeEngine()
+    failing_after(dying, 3, OSError("device lost"))
+    building, release = threading.Event(), threading.Event()
+
+    def rebuild() -> FakeEngine:
+        building.set()
+        release.wait(10)
+        return FakeEngine()
+
+    pool = AsyncEnginePool(
+        [AsyncEngine(dying, rebuild=rebuild), AsyncEngine(spare, rebuild=FakeEngine)]
+    )
+    dying.gate.clear()
+    spare.gate.clear()
+    streams = {f"r{i}": pool.generate(f"r{i}", TWENTY, request_id=f"r{i}") for i in range(4)}
+    endless = pool.generate("e", SamplingParams(max_tokens=10**6), request_id="endless")
+    on_dying = [rid for rid in [*streams, "endless"] if pool.engine_of(rid) == 0]
+    assert "endless" in on_dying and len(on_dying) == 3  # least loaded first, in turn
+    dying.gate.set()
+    spare.gate.set()
+    assert await asyncio.to_thread(building.wait, 10)
+    assert pool.engines[0].restarting
+    # While member 0 rebuilds, its requests run on member 1, and new ones go there too.
+    for rid, stream in streams.items():
+        assert (await stream).outputs[0].token_ids == list(range(20)), rid
+        assert stream.metrics is not None
+        assert stream.metrics.restarts == (1 if rid in on_dying else 0)
+    assert all(f"add {rid}" in spare.log for rid in on_dying)
+    assert pool.engine_of("endless") == 1
+    later = pool.generate("later", TWENTY, request_id="later")
+    assert pool.engine_of("later") == 1
+    await endless.aclose()  # its abort follows it to member 1
+    assert "abort endless" in spare.log
+    with pytest.raises(EngineRestartingError):
+        await pool.check_health()
+    release.set()
+    assert (await later).outputs[0].token_ids == list(range(20))
+    await pool.engines[0].run_on_engine(lambda e: None)  # rebuilt and serving
+    assert not pool.engines[0].restarting
+    await pool.check_health()
+    assert pool.stats().restarts == 1
+    rejoined = [pool.generate(f"j{i}", TWENTY, request_id=f"j{i}") for i in range(4)]
+    assert {pool.engine_of(f"j{i}") for i in range(4)} == {0, 1}
+    await asyncio.gather(*rejoined)
+    await pool.aclose()
+
+
+async def test_close_during_a_restart() -> None:
+    """aclose() while rebuilding: streams end with EngineClosedError; the new engine is shut."""
+    first, second = FakeEngine(), FakeEngine()
+    failing_after(first, 3, OSError("device lost"))
+    building, release = threading.Event(), threading.Event()
+
+    def rebuild() -> FakeEngine:
+        building.set()
+        release.wait(10)
+        return second
+
+    engine = AsyncEngine(first, rebuild=rebuild)
+    stream = engine.generate("r", TWENTY)
+    assert await asyncio.to_thread(building.wait, 10)
+    closing = asyncio.ensure_future(engine.aclose(timeout=10))
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(stream, 10)
+    release.set()
+    await asyncio.wait_for(closing, 10)
+    assert await asyncio.to_thread(second.shut_down.wait, 10)
+    assert second.log == []  # nothing was re-added to an engine that was closed
+
+
+async def test_abort_during_a_restart() -> None:
+    """A stream closed while the engine is rebuilt ends; its request leaves the new engine."""
+    first, second = FakeEngine(), FakeEngine()
+    failing_after(first, 3, OSError("device lost"))
+    building, release = threading.Event(), threading.Event()
+
+    def rebuild() -> FakeEngine:
+        building.set()
+        release.wait(10)
+        return second
+
+    engine = AsyncEngine(first, rebuild=rebuild)
+    leaving = engine.generate("leaving", SamplingParams(max_tokens=10**6), request_id="leaving")
+    staying = engine.generate("staying", TWENTY)
+    assert await asyncio.to_thread(building.wait, 10)
+    closed = asyncio.ensure_future(leaving.aclose())
+    await asyncio.sleep(0.05)  # the abort reaches the inbox; nothing can answer it yet
+    release.set()
+    await asyncio.wait_for(closed, 10)
+    assert (await staying).outputs[0].token_ids == list(range(20))
+    assert "abort leaving" in second.log
+    assert await engine.run_on_engine(lambda e: e.get_num_unfinished_requests()) == 0
+    await engine.aclose()
