@@ -62,6 +62,16 @@ async def test_cumulative_replaced_by_the_latest(engine: AsyncEngine) -> None:
     assert outs[-1].outputs[0].text == reference.outputs[0].text
 
 
+def test_engine_default_is_checked_when_set(engine: AsyncEngine) -> None:
+    """Setting the engine-wide default checks it as ``generate`` checks its own."""
+    default = engine.stream_interval
+    with pytest.raises(ValueError, match="stream_interval"):
+        engine.stream_interval = -1.0
+    with pytest.raises(TypeError, match="stream_interval"):
+        engine.stream_interval = "fast"  # type: ignore[assignment]
+    assert engine.stream_interval == default
+
+
 @pytest.mark.anyio
 async def test_engine_default_applies_and_zero_overrides(engine: AsyncEngine) -> None:
     """The engine-wide default paces every stream; ``stream_interval=0`` opts one out."""

@@ -96,8 +96,7 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         self._record = BuildRecord(llm_engine)
         self._worker = Worker(lambda: llm_engine, freeze_gc, _checks.restart(restart), rebuild)
         self._closed = False
-        self.stream_interval = _checks.stream_interval(stream_interval)
-        """The default of ``generate(stream_interval=...)``, seconds (0: every output at once)."""
+        self._stream_interval = _checks.stream_interval(stream_interval)
         self._worker.start(None)
 
     @classmethod
@@ -150,8 +149,21 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         policy = _checks.restart(restart)
         self._worker = Worker(self._record.wrap(build), freeze_gc, policy, build)
         self._closed = False
-        self.stream_interval = _checks.stream_interval(stream_interval)
+        self._stream_interval = _checks.stream_interval(stream_interval)
         return self
+
+    @property
+    def stream_interval(self) -> float:
+        """The default of ``generate(stream_interval=...)``, seconds (0: every output at once).
+
+        Settable; a new value applies to streams made after it, and is checked
+        as ``generate``'s own (TypeError, ValueError).
+        """
+        return self._stream_interval
+
+    @stream_interval.setter
+    def stream_interval(self, seconds: float) -> None:
+        self._stream_interval = _checks.stream_interval(seconds)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -270,7 +282,7 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         params = _checks.sampling_params(sampling_params)
         rid = _checks.request_id(request_id)
         interval = (
-            self.stream_interval
+            self._stream_interval
             if stream_interval is None
             else _checks.stream_interval(stream_interval)
         )
