@@ -13,6 +13,9 @@ export VLLM_WORKER_MULTIPROC_METHOD=spawn
 t0=$(date +%s)
 # Arguments, if any, replace the default selection (the whole suite, filtered by the markers).
 args=("$@"); [ ${#args[@]} -gt 0 ] || args=(tests)
+# The device image has no trio (nor the bundle): deselect the trio-parametrized tests there rather
+# than report them as failures (2026-12-04: 42 of them failed with ModuleNotFoundError, 96 passed).
+python3 -c "import trio" 2>/dev/null || args+=(-k "not trio" --ignore tests/test_loops.py --ignore tests/test_example.py)
 # -v names each test as it passes, so a run cut short by the time limit still says which did.
 timeout "${TEST_TIMEOUT:-540}" python3 -m pytest "${args[@]}" -p no:cacheprovider \
   --timeout 150 -v -rfEs --junitxml "$OUT/tests.xml" 2>&1 \
