@@ -57,6 +57,19 @@ def failing_after(fake: FakeEngine, steps: int, error: BaseException) -> None:
     fake.step = counted  # type: ignore[method-assign]
 
 
+class GatedRebuild:
+    """A ``rebuild`` that says when it starts (``building``) and returns only on ``release``."""
+
+    def __init__(self, engine: FakeEngine | None = None) -> None:
+        self.building, self.release = threading.Event(), threading.Event()
+        self._engine = engine
+
+    def __call__(self) -> FakeEngine:
+        self.building.set()
+        self.release.wait(10)
+        return self._engine if self._engine is not None else FakeEngine()
+
+
 def test_deaths_within_the_window() -> None:
     """The policy allows max_restarts deaths within any window seconds, and no more."""
     deaths = Deaths(RestartPolicy(max_restarts=2, window=10.0))
@@ -149,12 +162,8 @@ async def test_commands_during_a_restart_wait_then_proceed() -> None:
     """While rebuilding: check_health says restarting; new requests and calls wait, then run."""
     first, second = FakeEngine(), FakeEngine()
     failing_after(first, 3, OSError("device lost"))
-    building, release = threading.Event(), threading.Event()
-
-    def rebuild() -> FakeEngine:
-        building.set()
-        release.wait(10)
-        return second
+    rebuild = GatedRebuild(second)
+    building, release = rebuild.building, rebuild.release
 
     engine = AsyncEngine(first, rebuild=rebuild)
     before = engine.generate("before", TWENTY)
@@ -275,12 +284,8 @@ async def test_pool_fails_over_and_the_member_rejoins() -> None:
     """A pool member dies: its requests resume on the live member; it rebuilds, then rejoins."""
     dying, spare = FakeEngine(), FakeEngine()
     failing_after(dying, 3, OSError("device lost"))
-    building, release = threading.Event(), threading.Event()
-
-    def rebuild() -> FakeEngine:
-        building.set()
-        release.wait(10)
-        return FakeEngine()
+    rebuild = GatedRebuild()
+    building, release = rebuild.building, rebuild.release
 
     pool = AsyncEnginePool(
         [AsyncEngine(dying, rebuild=rebuild), AsyncEngine(spare, rebuild=FakeEngine)]
@@ -324,12 +329,8 @@ async def test_close_during_a_restart() -> None:
     """aclose() while rebuilding: streams end with EngineClosedError; the new engine is shut."""
     first, second = FakeEngine(), FakeEngine()
     failing_after(first, 3, OSError("device lost"))
-    building, release = threading.Event(), threading.Event()
-
-    def rebuild() -> FakeEngine:
-        building.set()
-        release.wait(10)
-        return second
+    rebuild = GatedRebuild(second)
+    building, release = rebuild.building, rebuild.release
 
     engine = AsyncEngine(first, rebuild=rebuild)
     stream = engine.generate("r", TWENTY)
@@ -347,12 +348,8 @@ async def test_abort_during_a_restart() -> None:
     """A stream closed while the engine is rebuilt ends; its request leaves the new engine."""
     first, second = FakeEngine(), FakeEngine()
     failing_after(first, 3, OSError("device lost"))
-    building, release = threading.Event(), threading.Event()
-
-    def rebuild() -> FakeEngine:
-        building.set()
-        release.wait(10)
-        return second
+    rebuild = GatedRebuild(second)
+    building, release = rebuild.building, rebuild.release
 
     engine = AsyncEngine(first, rebuild=rebuild)
     leaving = engine.generate("leaving", SamplingParams(max_tokens=10**6), request_id="leaving")
