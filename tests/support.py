@@ -78,6 +78,15 @@ async def unfinished(engine: AsyncEngine) -> int:
     return count
 
 
+async def drained(engine: AsyncEngine, attempts: int = 100) -> bool:
+    """Whether the engine holds no request within ``attempts`` polls, 50 ms apart."""
+    for _ in range(attempts):
+        if await unfinished(engine) == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 def child_processes() -> set[int]:
     """Child processes, less multiprocessing's resource tracker (it lives as long as we do)."""
     pids = set()

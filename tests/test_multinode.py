@@ -28,7 +28,15 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
-from support import engine_args, free_port, result, start_engine, unfinished
+from support import (
+    cancel_while_iterating,
+    drained,
+    engine_args,
+    free_port,
+    result,
+    start_engine,
+    unfinished,
+)
 
 # Two nodes of one rank each need two cores; engine starts count against the first test.
 pytestmark = [
@@ -221,20 +229,12 @@ async def test_delta_stream_concatenates_to_awaited(two_nodes: AsyncEngine) -> N
     assert outputs > 1
 
 
-async def _drained(engine: AsyncEngine) -> bool:
-    for _ in range(200):
-        if await unfinished(engine) == 0:
-            return True
-        await asyncio.sleep(0.05)
-    return False
-
-
 async def test_abort_break_and_cancel(two_nodes: AsyncEngine) -> None:
     """abort(), break and task cancellation each take their request out of the two-node engine."""
     long = SamplingParams(max_tokens=400, **GREEDY)
     async for _ in two_nodes.generate("broken off", long):
         break  # the stream is dropped: this aborts the request
-    assert await _drained(two_nodes)
+    assert await drained(two_nodes, 200)
 
     explicit = two_nodes.generate("explicit abort", long)
     await two_nodes.run_on_engine(lambda e: None)  # it is in the engine now
@@ -243,18 +243,8 @@ async def test_abort_break_and_cancel(two_nodes: AsyncEngine) -> None:
     assert final.outputs[0].finish_reason == "abort"
     assert len(final.outputs[0].token_ids) < 400
 
-    got = asyncio.Event()
-
-    async def consume() -> None:
-        async for _ in two_nodes.generate("cancelled", long):
-            got.set()
-
-    task = asyncio.create_task(consume())
-    await got.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert await _drained(two_nodes)
+    await cancel_while_iterating(two_nodes.generate("cancelled", long))
+    assert await drained(two_nodes, 200)
     assert two_nodes.stats().requests_in_flight == 0
 
 

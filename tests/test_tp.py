@@ -19,7 +19,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
-from support import engine_args, result, start_engine, unfinished
+from support import drained, engine_args, result, start_engine, unfinished
 
 # Two tensor-parallel ranks need two devices: here, two CPU ranks; the device tool lends one GPU.
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
@@ -120,7 +120,7 @@ async def test_abort_and_cancel(tp_engine: AsyncEngine) -> None:
     aborted = tp_engine.generate("aborted", long)
     async for _ in aborted:
         break  # the iterator is dropped: this aborts the request
-    assert await _drained(tp_engine)
+    assert await drained(tp_engine)
 
     explicit = tp_engine.generate("explicit abort", long)
     await tp_engine.run_on_engine(lambda e: None)  # it is in the engine now
@@ -135,7 +135,7 @@ async def test_abort_and_cancel(tp_engine: AsyncEngine) -> None:
     cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cancelled
-    assert await _drained(tp_engine)
+    assert await drained(tp_engine)
     assert tp_engine.stats().requests_in_flight == 0
 
 
@@ -153,14 +153,6 @@ async def test_reset_prefix_cache(tp_engine: AsyncEngine) -> None:
     final = await stream
     assert list(final.outputs[0].token_ids) == list(baseline.outputs[0].token_ids)
     assert await unfinished(tp_engine) == 0
-
-
-async def _drained(engine: AsyncEngine) -> bool:
-    for _ in range(100):
-        if await unfinished(engine) == 0:
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 async def test_killed_rank_kills_the_engine(tp_engine: AsyncEngine) -> None:
