@@ -21,6 +21,7 @@ from ._loops import current
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
+    from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
 
     from ._loops import Future, Loop
@@ -63,6 +64,16 @@ class Outbox:
             batch = self._batches[loop] = []
         batch.append((fn, args))
 
+    def pushes(self, loop: Loop) -> list[tuple[_Sink, RequestOutput]]:
+        """A list to fill with (sink, output) pairs, pushed in order at this point of the batch.
+
+        A step's outputs go through it: one entry per loop instead of a bound
+        method and an argument tuple per output.
+        """
+        pairs: list[tuple[_Sink, RequestOutput]] = []
+        self.post(loop, _push_all, pairs)
+        return pairs
+
     def __bool__(self) -> bool:
         return bool(self._batches)
 
@@ -83,6 +94,15 @@ def _run_batch(batch: list[_Callback]) -> None:
         except Exception as exc:
             # One failing delivery must not drop the rest of the batch.
             emit(logging.ERROR, "delivery failed", callback=repr(fn), exc_info=exc)
+
+
+def _push_all(pairs: list[tuple[_Sink, RequestOutput]]) -> None:
+    for sink, out in pairs:
+        try:
+            sink.push(out)
+        except Exception as exc:
+            # One failing delivery must not drop the rest of the step's outputs.
+            emit(logging.ERROR, "delivery failed", request_id=sink.request_id, exc_info=exc)
 
 
 def _settle(future: Future[Any], value: Any, error: BaseException | None) -> None:

@@ -30,13 +30,27 @@ from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
 from typing import Any, Protocol, TypeVar
 
-__all__ = ("Future", "Loop", "current", "running_asyncio_loop")
+__all__ = ("Future", "Loop", "current", "running_asyncio_loop", "task_of")
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 running_asyncio_loop: Callable[[], asyncio.AbstractEventLoop | None] = _get_running_loop
 """The running asyncio loop of this thread, or None (a C function; never raises)."""
+
+try:  # Python 3.12+: asyncio's current_task is a C function
+    from _asyncio import current_task as _current_task  # type: ignore[attr-defined,unused-ignore]
+except ImportError:  # 3.11: current_task is Python around this C-backed dict
+    from asyncio.tasks import _current_tasks  # type: ignore[attr-defined,unused-ignore]
+
+    _current_task = _current_tasks.get
+
+task_of: Callable[[asyncio.AbstractEventLoop], asyncio.Task[Any] | None] = _current_task
+"""The task running on ``loop`` (the running loop of this thread), or None.
+
+``asyncio.current_task(loop)`` without its Python frame on 3.11: streams ask
+once per output.
+"""
 
 
 class Future(Protocol[T_co]):

@@ -102,9 +102,14 @@ class Timeline:
         """Note one output as it reaches the stream."""
         if out.metrics is not None:
             self.stats = out.metrics
+        completions = out.outputs
         if kind is RequestOutputKind.DELTA:
-            self.delta_tokens += sum(len(c.token_ids) for c in out.outputs)
-        if self.first_at is None and any(c.token_ids for c in out.outputs):
+            # Once per output on the loop: one completion (n == 1) needs no generator.
+            if len(completions) == 1:
+                self.delta_tokens += len(completions[0].token_ids)
+            else:
+                self.delta_tokens += sum(len(c.token_ids) for c in completions)
+        if self.first_at is None and any(c.token_ids for c in completions):
             self.first_at = time.monotonic()
             if enabled(logging.DEBUG):
                 ttft = round(self.first_at - self._submitted, 6)

@@ -173,6 +173,9 @@ class Registry:
     def dispatch(self, outputs: Iterable[Any], outbox: Outbox) -> tuple[int, int]:
         """Post each output to its stream; return (delivered, finished)."""
         delivered = finished = 0
+        # Usually every stream is on one loop: its list of pushes is looked up once.
+        last: Loop | None = None
+        pushes: list[tuple[_Sink, Any]] = []
         with self._lock:
             routes = self.routes
             for out in outputs:
@@ -191,7 +194,10 @@ class Registry:
                         continue
                     if out.finished:
                         self._unalias(progress)
-                outbox.post(route.loop, route.sink.push, out)
+                if route.loop is not last:
+                    last = route.loop
+                    pushes = outbox.pushes(last)
+                pushes.append((route.sink, out))
                 delivered += 1
                 if out.finished:
                     del routes[out.request_id]

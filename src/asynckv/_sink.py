@@ -18,7 +18,7 @@ from ._pace import Pacer
 from ._vllm import final_abort_output, merge_delta, with_completions
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from vllm.outputs import CompletionOutput, RequestOutput
 
@@ -163,21 +163,19 @@ class _Sink:
             raise StopAsyncIteration
         return None
 
-    async def wait(self) -> None:
-        """Wait until ``push`` or ``fail`` is called, or a held output is due.
+    def wait(self) -> Awaitable[None]:
+        """What to await until ``push`` or ``fail`` is called, or a held output is due.
 
-        Cancelling the wait raises the loop's cancellation exception here and
+        Cancelling the wait raises the loop's cancellation exception there and
         leaves the buffer as it was: a later ``push`` is kept for the next wait.
+        Without a held output it is the future itself, not a coroutine around
+        it: the stream awaits one per output.
         """
-        self._waiter = self._new_future()
-        try:
-            if self.pacer is not None and self.pacer.held:
-                # Woken by the next push, or when the held output is due.
-                await self.loop.wait(self._waiter, self.pacer.delay())
-            else:
-                await self._waiter
-        finally:
-            self._waiter = None
+        self._waiter = waiter = self._new_future()
+        if self.pacer is not None and self.pacer.held:
+            # Woken by the next push, or when the held output is due.
+            return self.loop.wait(waiter, self.pacer.delay())
+        return waiter
 
     @property
     def exhausted(self) -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from vllm.sampling_params import RequestOutputKind
 
-from ._loops import running_asyncio_loop
+from ._loops import running_asyncio_loop, task_of
 from ._sink import _index, _Sink
 from ._vllm import copy_delta, merge_delta
 
@@ -107,8 +107,9 @@ class RequestStream:
         # The hot path: one coroutine per output, no future when one is pending;
         # on asyncio one C call checks the loop.
         sink = self._sink
-        if running_asyncio_loop() is sink.native:
-            task = asyncio.current_task()
+        native = sink.native
+        if running_asyncio_loop() is native:
+            task = task_of(native)  # type: ignore[arg-type]  # native is this asyncio loop
             if task is not self._task:
                 self._watch(task)
         elif not sink.loop.is_current():
