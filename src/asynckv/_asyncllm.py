@@ -9,9 +9,8 @@ signature and return type, sync where vLLM's is sync. Like the rest of
   FIFO order with everything else the loops sent;
 * the properties (``vllm_config``, ``model_config``, ``renderer``,
   ``input_processor``, ``tokenizer``) read only what the engine set when it
-  was built and never changes after, so any thread may read them. vLLM's own
-  server reads the renderer from its loop while the worker runs, as it does
-  with ``AsyncLLM``, whose renderer tokenizes on its own thread pool.
+  was built and never changes after, so any thread may read them; they are
+  in ``_build_time.py``.
 
 Where asynckv's semantics differ from ``AsyncLLM``'s, the docstring says how.
 """
@@ -19,22 +18,20 @@ Where asynckv's semantics differ from ``AsyncLLM``'s, the docstring says how.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeVar
 
 from vllm.usage.usage_lib import UsageContext
 
+# BuildRecord is imported from here by _engine.py.
+from ._build_time import BuildRecord, BuildTimeAttributes
 from ._engine_calls import EngineCalls
-from ._errors import EngineClosedError, EngineNotStartedError
 from ._requests import engine_options, pump
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import VllmConfig
     from vllm.lora.request import LoRARequest
-    from vllm.renderers import BaseRenderer
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.engine.output_processor import RequestOutputCollector
     from vllm.v1.metrics.loggers import StatLoggerFactory
 
@@ -46,60 +43,17 @@ __all__ = ("AsyncLLMMethods", "BuildRecord")
 R = TypeVar("R")
 
 
-@dataclass(frozen=True, slots=True)
-class _BuildTime:
-    """What the ``LLMEngine`` set when it was built: it never changes after."""
-
-    vllm_config: VllmConfig
-    renderer: BaseRenderer
-    input_processor: InputProcessor
-
-
-class BuildRecord:
-    """Keeps what the ``LLMEngine`` set at build time, for the loop side to read.
-
-    Filled once, on the worker thread, right after the build and before the
-    worker answers ``start()`` (or at once for an engine built by the caller);
-    read on the loop only after that answer, so the loop sees it complete. It
-    holds the engine's configs and renderer, not the engine itself.
-    """
-
-    __slots__ = ("built",)
-
-    def __init__(self, engine: LLMEngine | None = None) -> None:
-        self.built: _BuildTime | None = None
-        if engine is not None:
-            self.record(engine)
-
-    def record(self, engine: LLMEngine) -> None:
-        """Take the build-time attributes of ``engine`` (on the thread that built it)."""
-        try:
-            self.built = _BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
-        except AttributeError:
-            self.built = None  # a stand-in for LLMEngine (a test's fake engine) has none
-
-    def wrap(self, build: Callable[[], LLMEngine]) -> Callable[[], LLMEngine]:
-        """``build``, recording what it built here before returning it."""
-
-        def build_and_record() -> LLMEngine:
-            engine = build()
-            self.record(engine)
-            return engine
-
-        return build_and_record
-
-
-class AsyncLLMMethods(EngineCalls):
+class AsyncLLMMethods(BuildTimeAttributes, EngineCalls):
     """The part of ``AsyncEngine`` that mirrors ``AsyncLLM``; see the module docstring.
 
-    The calls that the worker applies between two steps (LoRA, sleep, the
-    cache resets, profiling, ...) come from ``EngineCalls``.
+    The build-time properties (``vllm_config``, ``renderer``, ...) come from
+    ``BuildTimeAttributes``; the calls that the worker applies between two
+    steps (LoRA, sleep, the cache resets, profiling, ...) from ``EngineCalls``.
     """
 
     if TYPE_CHECKING:
         _worker: Worker
         _closed: bool
-        _record: BuildRecord
 
         @property
         def errored(self) -> bool: ...
@@ -173,52 +127,6 @@ class AsyncLLMMethods(EngineCalls):
             )
 
         return cls._unstarted(build, freeze_gc, stream_interval)
-
-    # -- what the engine set when it was built ---------------------------------------
-
-    def _build_time(self) -> _BuildTime:
-        built = self._record.built
-        if built is None:
-            if self._closed or self.errored:
-                raise EngineClosedError()  # it never got built
-            if self._worker.started:
-                raise AttributeError(
-                    "the wrapped engine has no vllm_config, renderer or input_processor"
-                )
-            raise EngineNotStartedError()
-        return built
-
-    @property
-    def vllm_config(self) -> VllmConfig:
-        """The engine's whole configuration, as ``AsyncLLM.vllm_config``; any thread.
-
-        Raises ``EngineNotStartedError`` before ``start()`` has built the engine.
-        """
-        return self._build_time().vllm_config
-
-    @property
-    def model_config(self) -> ModelConfig:
-        """The engine's model configuration, as ``AsyncLLM.model_config``; any thread."""
-        return self._build_time().vllm_config.model_config
-
-    @property
-    def renderer(self) -> BaseRenderer:
-        """The engine's renderer (chat templates, tokenization), as ``AsyncLLM.renderer``."""
-        return self._build_time().renderer
-
-    @property
-    def input_processor(self) -> InputProcessor:
-        """The engine's input processor, as ``AsyncLLM.input_processor``; any thread."""
-        return self._build_time().input_processor
-
-    @property
-    def tokenizer(self) -> Any:
-        """The engine's tokenizer, or None with ``skip_tokenizer_init``; as ``AsyncLLM``'s."""
-        return self._build_time().renderer.tokenizer
-
-    def get_tokenizer(self) -> Any:
-        """Return the engine's tokenizer (raises if it has none); sync, as ``AsyncLLM``'s."""
-        return self._build_time().renderer.get_tokenizer()
 
     # -- state -------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Resuming a request on a rebuilt engine: what its stream was sent, and the splice.
+"""Resuming a request on a rebuilt engine: what its stream was sent, and the readmission.
 
 Runs on the worker thread only: ``Progress.see`` inside ``Registry.dispatch``
 (under the registry's lock: bookkeeping only, no engine call), and
@@ -10,22 +10,10 @@ A resumed completion is a new engine request whose prompt is the original
 prompt's token ids followed by the tokens already generated, with
 ``max_tokens`` and ``min_tokens`` reduced by their number. Its outputs carry
 only what comes after the join, so ``see`` splices them onto what the
-stream was sent: CUMULATIVE and FINAL_ONLY outputs carry everything from the
-first token (ids, text, logprobs), DELTA outputs only what is new; the
-prompt fields are the original request's. With ``n > 1`` each unfinished
-completion is one engine request of ``n=1`` (ids ``<id>#<restart>.<index>``),
-and the stream sees one request.
-
-Text and stop strings: the new engine decodes the new tokens with only a few
-prompt tokens as context, holds back the tail of its text while a stop
-string could be completing, and looks for stop strings only in what it
-generated. So the text is not taken from it: the dead engine's own
-detokenizer (client side, so it outlives the engine) is fed the new tokens,
-and gives the text, the hold-back and the stop strings exactly as without
-the death. A stop string it finds ends the completion and its engine
-request is aborted, as vLLM does. Where that detokenizer can't be had (a
-fake engine, another vLLM layout), the text is spliced onto what was sent,
-with the same hold-back and a search for stop strings across the join.
+stream was sent (``_splice.py``: the ids, the text, the stop strings across
+the join); the prompt fields are the original request's. With ``n > 1``
+each unfinished completion is one engine request of ``n=1`` (ids
+``<id>#<restart>.<index>``), and the stream sees one request.
 """
 
 from __future__ import annotations
@@ -37,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.sampling_params import RequestOutputKind
 
 from ._errors import RequestNotResumedError
+from ._splice import Base, copied, joined, splice_decoded, splice_text
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput, RequestOutput
@@ -62,23 +51,6 @@ class _Seq:
     logprobs: Any = None
     cumulative_logprob: float | None = None
     done: bool = False
-
-
-@dataclass(slots=True)
-class _Base:
-    """A resumed completion: what came before the join, and how much text went out."""
-
-    tokens: list[int]
-    text: str
-    logprobs: Any
-    cumulative_logprob: float | None
-    sent: int
-    """Characters of text the stream has been sent (vLLM holds the tail back for stops)."""
-    detokenizer: Any = None
-    """The dead engine's detokenizer, continued (None: splice the text)."""
-    new_text: list[str] = field(default_factory=list)
-    checking: bool = True
-    """Whether a stop string could still span the join."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +88,7 @@ class Progress:
         self.prompt_ids: list[int] | None = None
         self.prompt_logprobs: Any = None
         self.seqs: dict[int, _Seq] = {}
-        self.bases: dict[int, _Base] = {}
+        self.bases: dict[int, Base] = {}
         self.engine_ids: dict[str, int] = {add.request_id: -1}
         """Engine request id -> the completion it continues (-1: the original request)."""
         self.restarts = 0
@@ -157,7 +129,7 @@ class Progress:
             seq.tokens.extend(c.token_ids)
             seq.texts.append(c.text)
             if c.logprobs is not None:
-                seq.logprobs = _joined(seq.logprobs, c.logprobs)
+                seq.logprobs = joined(seq.logprobs, c.logprobs)
         else:
             # vLLM's cumulative lists, held as they are: copied only at a resume.
             seq.tokens = c.token_ids
@@ -168,73 +140,13 @@ class Progress:
 
     def _splice(self, index: int, c: CompletionOutput, engine_id: str) -> CompletionOutput:
         base = self.bases[index]
+        delta = self.kind is RequestOutputKind.DELTA
         if base.detokenizer is not None:
-            return self._continue(base, index, c, engine_id)
-        params = self.add.params
-        delta = self.kind is RequestOutputKind.DELTA
-        if delta:
-            base.new_text.append(c.text)
+            spliced, stopped = splice_decoded(base, index, c, delta)
         else:
-            base.new_text = [c.text]
-        full = base.text + "".join(base.new_text)
-        spliced = copy.copy(c)
-        spliced.index = index
-        stops = params.stop or []
-        if stops and base.checking:
-            hit = _spanning(full, len(base.text), stops)
-            if hit is not None:
-                stop, start = hit
-                full = full[: start + len(stop) if params.include_stop_str_in_output else start]
-                spliced.finish_reason, spliced.stop_reason = "stop", stop
-                if c.finish_reason is None:
-                    self.stopped.append(engine_id)
-            elif len(full) - len(base.text) >= max(len(s) for s in stops):
-                base.checking = False
-        if spliced.finish_reason is None and stops:
-            hold = max(len(s) for s in stops) - 1
-            shown = max(base.sent, len(full) - hold)
-        else:
-            shown = len(full)
-        text = full[:shown]
-        if delta:
-            spliced.text = text[base.sent :]
-        else:
-            spliced.text = text
-            spliced.token_ids = [*base.tokens, *c.token_ids]
-            if c.logprobs is not None:
-                spliced.logprobs = _joined(_copied(base.logprobs), c.logprobs)
-        base.sent = shown
-        if base.cumulative_logprob is not None and c.cumulative_logprob is not None:
-            spliced.cumulative_logprob = base.cumulative_logprob + c.cumulative_logprob
-        return spliced
-
-    def _continue(
-        self, base: _Base, index: int, c: CompletionOutput, engine_id: str
-    ) -> CompletionOutput:
-        # The dead engine's detokenizer takes the new tokens, as its output processor would.
-        detokenizer = base.detokenizer
-        delta = self.kind is RequestOutputKind.DELTA
-        spliced = copy.copy(c)
-        spliced.index = index
-        by_token = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
-        fed = len(detokenizer.output_token_ids)
-        # A cumulative output repeats the tokens since the join: feed only the new ones.
-        new = list(c.token_ids if delta else c.token_ids[fed - len(base.tokens) :])
-        stop = detokenizer.update(new, by_token)
-        if stop is not None:
-            spliced.finish_reason, spliced.stop_reason = "stop", stop
-            if c.finish_reason is None:
-                self.stopped.append(engine_id)
-        spliced.text = detokenizer.get_next_output_text(spliced.finish_reason is not None, delta)
-        if delta:
-            # What the detokenizer kept (it drops the tokens after a stop string).
-            spliced.token_ids = list(detokenizer.output_token_ids[fed:])
-        else:
-            spliced.token_ids = list(detokenizer.output_token_ids)
-            if c.logprobs is not None:
-                spliced.logprobs = _joined(_copied(base.logprobs), c.logprobs)
-        if base.cumulative_logprob is not None and c.cumulative_logprob is not None:
-            spliced.cumulative_logprob = base.cumulative_logprob + c.cumulative_logprob
+            spliced, stopped = splice_text(base, index, c, self.add.params, delta)
+        if stopped:
+            self.stopped.append(engine_id)
         return spliced
 
     # -- worker thread, during a restart ------------------------------------------
@@ -268,8 +180,8 @@ class Progress:
             before = previous.get(i)
             # The text so far: the last base's and what its splice added, or what was sent.
             text = sent if before is None else before.text + "".join(before.new_text)
-            logprobs = _copied(seq.logprobs)
-            base = _Base(tokens, text, logprobs, seq.cumulative_logprob, len(sent))
+            logprobs = copied(seq.logprobs)
+            base = Base(tokens, text, logprobs, seq.cumulative_logprob, len(sent))
             detokenizer = detokenizers.get(i)
             if detokenizer is not None and len(detokenizer.output_token_ids) == len(tokens):
                 base.detokenizer = detokenizer
@@ -318,28 +230,6 @@ class Progress:
     def resumed(self) -> bool:
         """Whether this request runs on a new engine as continued completions."""
         return bool(self.bases)
-
-
-def _spanning(text: str, join: int, stops: list[str]) -> tuple[str, int] | None:
-    """The stop string that starts before ``join`` and ends after it, earliest end first."""
-    best: tuple[str, int] | None = None
-    for stop in stops:
-        start = text.find(stop, max(0, join - len(stop) + 1))
-        if 0 <= start < join and (best is None or start + len(stop) < best[1] + len(best[0])):
-            best = (stop, start)
-    return best
-
-
-def _copied(logprobs: Any) -> Any:
-    # A list, or vLLM's FlatLogprobs (a slice is a copy of either).
-    return None if logprobs is None else logprobs[:]
-
-
-def _joined(into: Any, more: Any) -> Any:
-    if into is None:
-        return _copied(more)
-    into.extend(more)
-    return into
 
 
 def _continued(params: SamplingParams, generated: int, index: int) -> SamplingParams:

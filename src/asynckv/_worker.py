@@ -1,21 +1,13 @@
-"""The worker thread: sole owner of the ``LLMEngine``.
+"""The worker thread: sole owner of the ``LLMEngine``, its lifecycle and restarts.
 
 Everything in ``Worker._run`` and below runs on the worker thread, which is
-the only thread that ever calls the engine. Each pass takes the inbox's
-commands in FIFO order and applies them, answers them, then steps once if
-requests are unfinished and nothing stops the stepping; otherwise it sleeps
-on the inbox, so an idle engine costs no CPU. It answers the loops only
-through an ``Outbox``. Admission, holds and pauses are the pure state
-machine of ``_control.py``; what waits for an answer lives in the
-``Registry``, whose lock ``die`` and ``close`` take from other threads.
-
-With vLLM's engine-core process, ``step()`` blocks until the core's next
-output. The worker doesn't wait there: it sleeps on the inbox until a command
-*or* that output arrives (vLLM's output thread nudges the inbox), and steps
-once the output is there. That nudge is a hook into vLLM's internals, so
-every such sleep is bounded: were the hook to stop firing, the worker would
-only poll, and before the hook has ever fired it steps anyway (blocking, as
-without the hook).
+the only thread that ever calls the engine; the public methods (``start``,
+``close``, ``die``, ``snapshot``) may be called from any thread. ``_run``
+builds the engine and serves it: ``_serve`` starts the watchdog, answers
+``start()``, then runs the step loop (``_step_loop.py``: commands, step,
+dispatch) until the engine is closed or dies. Admission, holds and pauses
+are the pure state machine of ``_control.py``; what waits for an answer lives
+in the ``Registry``, whose lock ``die`` and ``close`` take from other threads.
 
 With a ``RestartPolicy`` a death doesn't end the streams: the worker keeps
 the inbox open (commands wait there), rebuilds the engine, re-adds every
@@ -45,6 +37,7 @@ from ._recover import Recovery
 from ._registry import Life, Registry
 from ._restart import RestartPolicy
 from ._resume import Decoded
+from ._step_loop import StepLoop
 from ._steps import StepHub
 from ._vllm import (
     EngineLike,
@@ -57,7 +50,6 @@ from ._vllm import (
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from ._loops import Loop
     from ._registry import Route
 
 
@@ -66,12 +58,8 @@ __all__ = ("Handoff", "Worker")
 Handoff = Callable[[list[tuple[str, "Route"]], Decoded, BaseException], list[tuple[str, "Route"]]]
 """A pool's failover: (routes, detokenizers, cause) -> the routes it could not place."""
 
-# Bounds on the sleep while the core computes (see the module docstring).
-_POLL_SECONDS = 0.05  # once the output hook has fired: a silent hook only slows us
-_FIRST_WAIT_SECONDS = 0.02  # before it ever fired: then step (and block) anyway
 
-
-class Worker:
+class Worker(StepLoop):
     """Owns one engine on a thread of its own; see the module docstring."""
 
     def __init__(
@@ -93,7 +81,7 @@ class Worker:
         self._closing = threading.Event()  # wakes the watchdog on close
         self._thread = threading.Thread(target=self._run, name="asynckv-engine", daemon=True)
         self._started: Reply | None = None
-        # Multiprocess mode: whether the core's next output is waiting (see _wait).
+        # Multiprocess mode: whether the core's next output is waiting (see StepLoop._wait).
         self._output_ready: Callable[[], bool] | None = None
         self._hook_fired = False
         self._applier = Applier(self.registry, self.counters)
@@ -268,123 +256,6 @@ class Worker:
             self._started.ok(outbox)
         outbox.flush()
         self._loop(engine)
-
-    def _output_arrived(self) -> None:
-        # On vLLM's output thread: a plain store and the inbox's own lock.
-        self._hook_fired = True
-        self.inbox.nudge()
-
-    def _loop(self, engine: EngineLike) -> None:
-        inbox = self.inbox
-        while not inbox.closed:
-            commands, step_anyway = self._wait(engine)
-            if self._fault is not None:
-                self._carry.extend(commands)
-                raise self._fault
-            outbox = Outbox()
-            while commands:
-                if self._fault is not None:
-                    # The core died mid-batch (the watchdog): the rest waits for the new one.
-                    self._carry.extend(commands)
-                    outbox.flush()
-                    raise self._fault
-                if self.registry.ended:
-                    # Died mid-batch (the watchdog): the rest must not reach the dead core.
-                    error = self.registry.error or EngineDeadError(RuntimeError("ended"))
-                    for command in commands:
-                        command.fail(outbox, error)
-                    break
-                command = commands.popleft()
-                try:
-                    self._applier.apply(engine, command, outbox)
-                except BaseException as exc:
-                    if self._recovery is not None and not self.registry.ended:
-                        # Restarting: the command is applied again on the new engine.
-                        self._carry.extend((command, *commands))
-                        outbox.flush()
-                        raise
-                    # The engine broke mid-command: die() can't see this batch.
-                    self.die(exc)
-                    error = self.registry.error or exc
-                    for failed in (command, *commands):
-                        failed.fail(outbox, error)
-                    outbox.flush()
-                    raise
-            if outbox:
-                # Answer the commands before stepping: a step can take long, or
-                # (a request vLLM took but its core dropped) never return.
-                self._flush(engine, outbox)
-            stepping = not inbox.closed and self._may_step(engine)
-            if stepping and (step_anyway or self._output_waiting()):
-                self._step(engine, outbox)
-            self._flush(engine, outbox)
-
-    def _wait(self, engine: EngineLike) -> tuple[deque[Command], bool]:
-        """Take the next commands, sleeping as long as nothing else is due.
-
-        Returns them, and whether to step even if no output is known to wait.
-        """
-        if self._carry:
-            carried, self._carry = self._carry, deque()
-            carried.extend(self.inbox.take(block=False))
-            return carried, False
-        if not self._may_step(engine):
-            return self.inbox.take(block=True), False
-        if self._output_waiting():
-            return self.inbox.take(block=False), False
-        if self._hook_fired:
-            return self.inbox.take(block=True, timeout=_POLL_SECONDS), False
-        began = time.monotonic()
-        commands = self.inbox.take(block=True, timeout=_FIRST_WAIT_SECONDS)
-        waited = time.monotonic() - began >= _FIRST_WAIT_SECONDS
-        return commands, waited and not self._hook_fired
-
-    def _may_step(self, engine: EngineLike) -> bool:
-        return self.registry.control.stepping and engine.has_unfinished_requests()
-
-    def _output_waiting(self) -> bool:
-        ready = self._output_ready
-        return ready is None or ready()
-
-    def _step(self, engine: EngineLike, outbox: Outbox) -> None:
-        counters = self.counters
-        feeds = self.steps.feeds  # nobody listening: no telemetry at all
-        if feeds:
-            self.steps.before(engine)
-        began = counters.in_step_since = time.perf_counter()
-        outputs = engine.step()
-        counters.in_step_since = None
-        counters.count_step(began)
-        if feeds:
-            self.steps.after(counters.steps, outputs, outbox)
-        delivered, finished = self.registry.dispatch(outputs, outbox)
-        counters.outputs_delivered += delivered
-        counters.requests_finished += finished
-        if self.registry.stopped:
-            # A resumed completion ended by a stop string across its join.
-            stopped, self.registry.stopped = self.registry.stopped, []
-            engine.abort_request(stopped)
-        if self.registry.control.pending:
-            steps = counters.steps
-            self._applier.change(engine, outbox, lambda c: c.stepped(steps), None)
-
-    def _flush(self, engine: EngineLike, outbox: Outbox) -> None:
-        """Send the loops their answers, then settle what the pass changed.
-
-        A closed loop's requests are aborted here; and whatever ended the last
-        request in flight (a step, an abort, a closed loop) ends a "wait" pause
-        now, not at a step that may never come.
-        """
-        for loop in outbox.flush():
-            self._forget(engine, loop)
-        if self.registry.control.drains and not engine.has_unfinished_requests():
-            self._applier.change(engine, outbox, lambda c: c.drained(), None)
-            for loop in outbox.flush():
-                self._forget(engine, loop)
-
-    def _forget(self, engine: EngineLike, loop: Loop) -> None:
-        self._applier.forget_loop(engine, loop)
-        self.steps.forget(loop)
 
 
 def _freeze_heap() -> None:
