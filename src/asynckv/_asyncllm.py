@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeVar
 
 from vllm.usage.usage_lib import UsageContext
 
-# BuildRecord is imported from here by _engine.py.
-from ._build_time import BuildRecord, BuildTimeAttributes
+from ._build_time import BuildTimeAttributes
 from ._engine_calls import EngineCalls
 from ._requests import engine_options, pump
 
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
     from ._stream import RequestStream
     from ._worker import Worker
 
-__all__ = ("AsyncLLMMethods", "BuildRecord")
+__all__ = ("AsyncLLMMethods",)
 
 R = TypeVar("R")
 

@@ -18,7 +18,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.usage.usage_lib import UsageContext
 
 from . import _checks, _loops
-from ._asyncllm import AsyncLLMMethods, BuildRecord
+from ._asyncllm import AsyncLLMMethods
+from ._build_time import BuildRecord
 from ._commands import Abort, Add, Reply
 from ._engine_control import EngineControl
 from ._errors import EngineClosedError, EngineNotStartedError
