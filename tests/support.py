@@ -9,6 +9,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,6 +71,25 @@ async def cancel_while_iterating(stream: RequestStream) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def assert_same_greedy_tokens(
+    reference: AsyncEngine, engine: AsyncEngine, prompts: Sequence[str], max_tokens: int = 24
+) -> None:
+    """Greedy decoding on ``engine`` gives exactly ``reference``'s tokens and text, per prompt.
+
+    Both engines decode every prompt at once; ``engine`` holds no request afterwards.
+    """
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    expected, got = await asyncio.gather(
+        asyncio.gather(*(reference.generate(p, params) for p in prompts)),
+        asyncio.gather(*(engine.generate(p, params) for p in prompts)),
+    )
+    for prompt, a, b in zip(prompts, expected, got, strict=True):
+        assert len(a.outputs[0].token_ids) == max_tokens
+        assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids), prompt
+        assert b.outputs[0].text == a.outputs[0].text
+    assert await unfinished(engine) == 0
 
 
 async def unfinished(engine: AsyncEngine) -> int:

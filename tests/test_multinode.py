@@ -29,6 +29,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
 from support import (
+    assert_same_greedy_tokens,
     cancel_while_iterating,
     drained,
     engine_args,
@@ -204,16 +205,7 @@ async def test_greedy_tokens_match_single_node(
     single_node: AsyncEngine, two_nodes: AsyncEngine
 ) -> None:
     """Greedy decoding over two nodes gives exactly the single-node engine's tokens."""
-    params = SamplingParams(max_tokens=24, **GREEDY)
-    one, two = await asyncio.gather(
-        asyncio.gather(*(single_node.generate(p, params) for p in PROMPTS)),
-        asyncio.gather(*(two_nodes.generate(p, params) for p in PROMPTS)),
-    )
-    for prompt, a, b in zip(PROMPTS, one, two, strict=True):
-        assert len(a.outputs[0].token_ids) == 24
-        assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids), prompt
-        assert b.outputs[0].text == a.outputs[0].text
-    assert await unfinished(two_nodes) == 0
+    await assert_same_greedy_tokens(single_node, two_nodes, PROMPTS)
 
 
 async def test_delta_stream_concatenates_to_awaited(two_nodes: AsyncEngine) -> None:

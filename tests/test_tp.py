@@ -19,7 +19,14 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
-from support import drained, engine_args, result, start_engine, unfinished
+from support import (
+    assert_same_greedy_tokens,
+    drained,
+    engine_args,
+    result,
+    start_engine,
+    unfinished,
+)
 
 # Two tensor-parallel ranks need two devices: here, two CPU ranks; the device tool lends one GPU.
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
@@ -88,16 +95,7 @@ async def test_engine_runs_two_ranks(tp_engine: AsyncEngine) -> None:
 
 async def test_greedy_tokens_match_tp1(tp1_engine: AsyncEngine, tp_engine: AsyncEngine) -> None:
     """Greedy decoding gives exactly TP=1's tokens under TP=2, prompt by prompt."""
-    params = SamplingParams(max_tokens=24, **GREEDY)
-    tp1, tp2 = await asyncio.gather(
-        asyncio.gather(*(tp1_engine.generate(p, params) for p in PROMPTS)),
-        asyncio.gather(*(tp_engine.generate(p, params) for p in PROMPTS)),
-    )
-    for prompt, one, two in zip(PROMPTS, tp1, tp2, strict=True):
-        assert len(one.outputs[0].token_ids) == 24
-        assert list(two.outputs[0].token_ids) == list(one.outputs[0].token_ids), prompt
-        assert two.outputs[0].text == one.outputs[0].text
-    assert await unfinished(tp_engine) == 0
+    await assert_same_greedy_tokens(tp1_engine, tp_engine, PROMPTS)
 
 
 async def test_delta_stream_concatenates_to_awaited(tp_engine: AsyncEngine) -> None:
