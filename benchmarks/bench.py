@@ -3,10 +3,12 @@
 One invocation builds one engine per driver from the same EngineArgs, then
 sends the same workload through each, repetitions interleaved with the order
 rotated each repetition (raw, AsyncLLM, asynckv; AsyncLLM, asynckv, raw; ...),
+waiting before each run until every engine process is idle (``settle``),
 and reports medians: output tokens/s, TTFT (from each request's own submission,
 and ``ttft_burst`` from the burst's start, one instant for every driver),
 inter-token latency, event-loop lag, main-process CPU per 1,000 output tokens
-and RSS growth during the run.
+and RSS growth during the run. Loop lag, GIL wait and RSS growth come from
+probed passes of their own, the rest from unprobed ones (``passes``).
 It writes a JSON file and a PNG plot and prints the ratios asynckv / raw and
 asynckv / AsyncLLM.
 
@@ -79,6 +81,8 @@ class Run:
     cpu_seconds: float = 0.0
     thread_cpu: dict[str, float] = field(default_factory=dict)
     rss_growth: int = 0
+    # Whether the lag task and the GIL/RSS thread ran alongside (see ``--probe-reps``).
+    probed: bool = True
 
 
 @dataclass
@@ -112,7 +116,10 @@ class Probe:
       count as "other". The probe's own CPU is left out of every figure.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sample: bool = True) -> None:
+        # sample=False: no thread at all, only the CPU clocks at both ends, so
+        # the run it watches is not slowed by the watching (see ``Settings.probed``).
+        self.sample = sample
         self.start = 0
         self.peak = 0
         self.gil_waits: list[float] = []
@@ -153,12 +160,14 @@ class Probe:
     def __enter__(self) -> Probe:
         self.start = self.peak = self._process.memory_info().rss
         self._cpu0 = self._cpu()
-        self._thread.start()
+        if self.sample:
+            self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self.sample:
+            self._thread.join()
         self.peak = max(self.peak, self._process.memory_info().rss)
         # The probe's own thread had no clock at the start: count it all.
         self._cpu0.setdefault("probe", 0.0)
@@ -172,6 +181,7 @@ class Probe:
 
     def fill(self, run: Run) -> None:
         """Copy what was watched into ``run``."""
+        run.probed = self.sample
         run.rss_growth = self.peak - self.start
         run.gil = self.gil_waits
         run.thread_cpu = {k: v for k, v in self.thread_cpu.items() if k != "probe"}
@@ -207,14 +217,14 @@ def gaps(times: list[float]) -> list[float]:
 # -- the drivers ---------------------------------------------------------------------
 
 
-def run_raw(engine: LLMEngine, work: Workload, concurrency: int) -> Run:
+def run_raw(engine: LLMEngine, work: Workload, concurrency: int, probed: bool = True) -> Run:
     """The sync loop: add every request, step until done. The floor for any wrapper."""
     ids = [uuid.uuid4().hex for _ in range(concurrency)]
     arrivals: dict[str, float] = {}
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
     tokens = 0
     t0 = time.perf_counter()
-    with Probe() as probe:
+    with Probe(probed) as probe:
         for rid, prompt in zip(ids, work.prompts, strict=False):
             arrivals[rid] = time.perf_counter()
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), work.params)
@@ -240,11 +250,17 @@ async def _drive(
     work: Workload,
     submit: Callable[[str, list[int], SamplingParams], Any],
     per_output: Callable[[], Awaitable[None]] | None = None,
+    probed: bool = True,
 ) -> Run:
-    """Run one task per request consuming its stream; measure everything."""
+    """Run one task per request consuming its stream; measure everything.
+
+    Unprobed (``probed=False``), no lag task runs beside the streams: the raw
+    loop has no event loop to probe, so a 1 kHz timer task there would load
+    only the async drivers.
+    """
     stop = asyncio.Event()
     run = Run(name, concurrency, 0.0, 0)
-    lag_task = asyncio.create_task(measure_lag(stop, run.lag))
+    lag_task = asyncio.create_task(measure_lag(stop, run.lag)) if probed else None
     await asyncio.sleep(0.005)  # let the lag probe settle
 
     async def one(prompt: list[int]) -> int:
@@ -265,23 +281,24 @@ async def _drive(
         return tokens
 
     t0 = time.perf_counter()
-    with Probe() as probe:
+    with Probe(probed) as probe:
         counts = await asyncio.gather(*(one(p) for p in work.prompts[:concurrency]))
     run.seconds = time.perf_counter() - t0
     probe.fill(run)
     run.output_tokens = sum(counts)
     stop.set()
-    await lag_task
+    if lag_task is not None:
+        await lag_task
     return run
 
 
 async def run_asyncllm(
-    llm: AsyncLLM, work: Workload, concurrency: int, per_output: Any = None
+    llm: AsyncLLM, work: Workload, concurrency: int, per_output: Any = None, probed: bool = True
 ) -> Run:
     def submit(rid: str, prompt: list[int], params: SamplingParams) -> Any:
         return llm.generate(TokensPrompt(prompt_token_ids=prompt), params, rid)
 
-    return await _drive("asyncllm", concurrency, work, submit, per_output)
+    return await _drive("asyncllm", concurrency, work, submit, per_output, probed)
 
 
 async def run_asynckv(
@@ -290,12 +307,13 @@ async def run_asynckv(
     concurrency: int,
     per_output: Any = None,
     interval: float | None = None,
+    probed: bool = True,
 ) -> Run:
     def submit(rid: str, prompt: list[int], params: SamplingParams) -> Any:
         prompt_ = TokensPrompt(prompt_token_ids=prompt)
         return engine.generate(prompt_, params, rid, stream_interval=interval)
 
-    return await _drive("asynckv", concurrency, work, submit, per_output)
+    return await _drive("asynckv", concurrency, work, submit, per_output, probed)
 
 
 # -- summaries -------------------------------------------------------------------------
@@ -332,6 +350,104 @@ def summarise(run: Run) -> dict[str, float]:
         "rss_growth_mib": run.rss_growth / 2**20,
         "output_tokens": float(run.output_tokens),
     }
+
+
+# What the probes watch: taken from the probed repetitions only (see ``passes``).
+PROBED_KEYS = (
+    "lag_p50_ms",
+    "lag_p99_ms",
+    "lag_max_ms",
+    "gil_wait_p50_ms",
+    "gil_wait_p99_ms",
+    "gil_wait_max_ms",
+    "rss_growth_mib",
+)
+
+
+def passes(args: argparse.Namespace, rep: int) -> tuple[bool, ...]:
+    """Which passes repetition ``rep`` makes over the drivers: unprobed, probed, or both.
+
+    The lag task (a 1 kHz timer on the event loop) and the GIL/RSS thread
+    wake the process thousands of times a second, and only the async drivers
+    carry the lag task. So throughput, TTFT, ITL and CPU come from unprobed
+    passes, and the lag, the GIL wait and the RSS growth from probed passes of
+    their own, interleaved with them (the first ``--probe-reps`` repetitions
+    make both). ``--inline-probes``: every pass probed and every figure from
+    it, as before this split.
+    """
+    if args.inline_probes:
+        return (True,)
+    return (False, True) if rep < args.probe_reps else (False,)
+
+
+def combine(plain: list[Run], probed: list[Run], waits: list[float]) -> dict[str, Any]:
+    """One driver's row: medians of ``plain``, the probed figures from ``probed``."""
+    row: dict[str, Any] = medians(plain)
+    watched = medians(probed) if probed else {}
+    row.update({key: watched.get(key, float("nan")) for key in PROBED_KEYS})
+    row["repetitions"] = len(plain)
+    row["probed_repetitions"] = len(probed)
+    # Every repetition's throughput, so the spread behind the median is on record.
+    row["tok_per_s_reps"] = [r.output_tokens / r.seconds for r in plain]
+    row["settle_s_max"] = max(waits, default=0.0)
+    return row
+
+
+def ratio_intervals(runs: dict[str, list[Run]], resamples: int = 2000) -> dict[str, list[float]]:
+    """95 % bootstrap intervals of asynckv's throughput over raw's, AsyncLLM's and the better's.
+
+    The repetitions are resampled as whole rounds (one run of each driver,
+    back to back), so what a round shares, the machine's state then, stays
+    paired; each ratio is of medians, as in the table. Seeded: the same runs
+    give the same intervals.
+    """
+    rates = {d: [r.output_tokens / r.seconds for r in runs[d]] for d in DRIVERS}
+    rounds = min(len(v) for v in rates.values())
+    rng = random.Random(0)
+    samples: dict[str, list[float]] = {"raw": [], "asyncllm": [], "better": []}
+    for _ in range(resamples if rounds > 1 else 0):
+        picks = [rng.randrange(rounds) for _ in range(rounds)]
+        med = {d: statistics.median(rates[d][i] for i in picks) for d in DRIVERS}
+        samples["raw"].append(med["asynckv"] / med["raw"])
+        samples["asyncllm"].append(med["asynckv"] / med["asyncllm"])
+        samples["better"].append(med["asynckv"] / max(med["raw"], med["asyncllm"]))
+    return {
+        key: [pct(values, 2.5), pct(values, 97.5)] if values else [float("nan")] * 2
+        for key, values in samples.items()
+    }
+
+
+async def settle(limit: float) -> float:
+    """Wait until every engine process of this run is idle; return the seconds waited.
+
+    After its last step each of vLLM's engine processes keeps polling its
+    shared-memory queue for a second (``SpinCondition.busy_loop_s``), and
+    the CPU backend binds every engine's worker to the same core. Without
+    this wait a repetition shares that core with the engine of the repetition
+    before it (measured on the 2-core machine: that engine's worker used 0.09
+    to 0.17 of a core during the next driver's run). Idle: this process's
+    descendants together use under 3 % of a core over 100 ms. At most
+    ``limit`` seconds; 0 skips the wait.
+    """
+    began = time.perf_counter()
+    me = psutil.Process()
+    while time.perf_counter() - began < limit:
+        before = _descendants_cpu(me)
+        await asyncio.sleep(0.1)
+        if _descendants_cpu(me) - before < 0.003:
+            break
+    return time.perf_counter() - began
+
+
+def _descendants_cpu(process: psutil.Process) -> float:
+    total = 0.0
+    for child in process.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += times.user + times.system
+    return total
 
 
 def medians(runs: list[Run]) -> dict[str, float]:
@@ -388,8 +504,10 @@ class Engines:
             await self.run(driver, 4)
         return vocab
 
-    async def run(self, driver: str, n: int) -> Run:
-        return await run_driver(driver, n, self.work, self.args, self.raw, self.llm, self.kv)
+    async def run(self, driver: str, n: int, probed: bool = True) -> Run:
+        return await run_driver(
+            driver, n, self.work, self.args, self.raw, self.llm, self.kv, probed
+        )
 
     async def close(self) -> None:
         await self.kv.aclose()
@@ -416,26 +534,28 @@ async def run_driver(
     raw: LLMEngine | None,
     llm: AsyncLLM | None,
     kv: AsyncEngine | None,
+    probed: bool = True,
 ) -> Run:
     """One repetition of ``driver`` at ``n`` streams, on the engines given."""
     if driver == "raw":
         assert raw is not None
-        return run_raw(raw, work, n)
+        return run_raw(raw, work, n, probed)
     if driver == "asyncllm":
         assert llm is not None
-        return await run_asyncllm(llm, work, n)
+        return await run_asyncllm(llm, work, n, probed=probed)
     assert kv is not None
     if driver == SWITCH_DRIVER:
         default = sys.getswitchinterval()
         sys.setswitchinterval(args.switch_interval / 1e3)
         try:
-            run = await run_asynckv(kv, work, n)
+            run = await run_asynckv(kv, work, n, probed=probed)
         finally:
             sys.setswitchinterval(default)
     elif driver == interval_driver(args):
-        run = await run_asynckv(kv, work, n, interval=args.stream_interval / 1e3)
+        interval = args.stream_interval / 1e3
+        run = await run_asynckv(kv, work, n, interval=interval, probed=probed)
     else:
-        run = await run_asynckv(kv, work, n)
+        run = await run_asynckv(kv, work, n, probed=probed)
     run.driver = driver
     return run
 
@@ -469,8 +589,8 @@ async def _serve_driver(
             message = conn.recv()  # between runs: nothing else to do on this loop
             if message is None:
                 break
-            driver, n = message
-            conn.send(await run_driver(driver, n, work, args, raw, llm, kv))
+            driver, n, probed = message
+            conn.send(await run_driver(driver, n, work, args, raw, llm, kv, probed))
     finally:
         if kv is not None:
             await kv.aclose()
@@ -504,10 +624,10 @@ class Processes:
             assert status == "ready"
         return vocab
 
-    async def run(self, driver: str, n: int) -> Run:
+    async def run(self, driver: str, n: int, probed: bool = True) -> Run:
         kind = "asynckv" if driver.startswith("asynckv") else driver
         _, conn = self._procs[kind]
-        conn.send((driver, n))
+        conn.send((driver, n, probed))
         run: Run = await asyncio.to_thread(conn.recv)
         return run
 
@@ -539,18 +659,27 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         await engines.start()
         for n in args.concurrency:
-            runs: dict[str, list[Run]] = {d: [] for d in drivers}
+            plain: dict[str, list[Run]] = {d: [] for d in drivers}
+            probed: dict[str, list[Run]] = {d: [] for d in drivers}
+            waits: dict[str, list[float]] = {d: [] for d in drivers}
             for rep in range(args.reps):
                 # Rotate the order each repetition, so that no driver always runs
                 # first (cold caches) or right after another (its leftover work).
                 shift = rep % len(drivers)
-                for driver in drivers[shift:] + drivers[:shift]:
-                    runs[driver].append(await engines.run(driver, n))
+                for watched in passes(args, rep):
+                    for driver in drivers[shift:] + drivers[:shift]:
+                        waits[driver].append(await settle(args.settle))
+                        run = await engines.run(driver, n, watched)
+                        if not watched or args.inline_probes:
+                            plain[driver].append(run)
+                        if watched:
+                            probed[driver].append(run)
                 print(f"  c={n} rep={rep + 1}/{args.reps} done", file=sys.stderr)
-            results["main"][str(n)] = {d: medians(r) for d, r in runs.items()}
+            results["main"][str(n)] = {d: combine(plain[d], probed[d], waits[d]) for d in drivers}
             results["main"][str(n)]["raw"].update(
                 {"lag_p50_ms": None, "lag_p99_ms": None, "lag_max_ms": None}
             )
+            results["main"][str(n)]["asynckv"]["ratio_ci95"] = ratio_intervals(plain)
             # Keep what is measured so far: a run cut short still leaves its sizes.
             save_json(results, args.out)
             print(ratio_table(results), file=sys.stderr)
@@ -616,7 +745,8 @@ async def consumer_workloads(
 
 def ratio_table(results: dict[str, Any]) -> str:
     lines = [
-        f"{'streams':>7} | {'kv/raw tok/s':>12} {'kv/async tok/s':>14} | "
+        f"{'streams':>7} | {'kv/raw tok/s':>12} {'kv/async tok/s':>14} {'kv/better':>9} "
+        f"{'95% interval':>13} | "
         f"{'TTFT50 raw/async/kv ms':>24} | {'lag p99 async/kv ms':>20} | "
         f"{'CPU/1k raw/async/kv s':>22}"
     ]
@@ -624,7 +754,9 @@ def ratio_table(results: dict[str, Any]) -> str:
         raw, al, kv = row["raw"], row["asyncllm"], row["asynckv"]
         lines.append(
             f"{n:>7} | {kv['tok_per_s'] / raw['tok_per_s']:>12.3f} "
-            f"{kv['tok_per_s'] / al['tok_per_s']:>14.3f} | "
+            f"{kv['tok_per_s'] / al['tok_per_s']:>14.3f} "
+            f"{kv['tok_per_s'] / max(raw['tok_per_s'], al['tok_per_s']):>9.3f} "
+            f"{_interval(kv.get('ratio_ci95', {}).get('better')):>13} | "
             f"{raw['ttft_p50_ms']:>7.1f}/{al['ttft_p50_ms']:>6.1f}/{kv['ttft_p50_ms']:>6.1f}"
             f"{'':>3} | {al['lag_p99_ms']:>9.2f}/{kv['lag_p99_ms']:>6.2f}{'':>4} | "
             f"{raw['cpu_s_per_1k_tok']:>6.3f}/{al['cpu_s_per_1k_tok']:>6.3f}/"
@@ -633,6 +765,10 @@ def ratio_table(results: dict[str, Any]) -> str:
     lines.append("")
     lines.append(gil_table(results))
     return "\n".join(lines)
+
+
+def _interval(bounds: list[float] | None) -> str:
+    return "-" if not bounds else f"{bounds[0]:.3f}-{bounds[1]:.3f}"
 
 
 def gil_table(results: dict[str, Any]) -> str:
@@ -723,6 +859,26 @@ def main() -> None:
     gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile")
     parser.add_argument(
         "--no-consumers", action="store_true", help="skip the busy/slow consumer workloads"
+    )
+    parser.add_argument(
+        "--probe-reps",
+        type=int,
+        default=3,
+        help="repetitions (the first K) that also make a probed pass, which alone gives the "
+        "loop lag, GIL wait and RSS growth; the unprobed passes give everything else",
+    )
+    parser.add_argument(
+        "--inline-probes",
+        action="store_true",
+        help="probe every pass and take every figure from it (the method before --probe-reps)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="before each pass, wait up to S seconds for every engine process to go idle "
+        "(0: don't wait)",
     )
     parser.add_argument(
         "--mode",
