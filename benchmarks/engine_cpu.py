@@ -61,7 +61,10 @@ def owners(engines: Engines) -> dict[int, str]:
     named = {me.pid: "main"}
     # The children of this process are the engine cores, started in the order the
     # drivers' engines were built (Engines.start); each core's child is its worker.
-    cores = sorted(me.children(), key=lambda p: p.create_time())
+    # (Other children, such as multiprocessing's resource tracker, are left out by name.)
+    cores = sorted(
+        (p for p in me.children() if "EngineCore" in p.name()), key=lambda p: p.create_time()
+    )
     for driver, core in zip(DRIVERS, cores, strict=False):
         named[core.pid] = f"{driver} core"
         for worker in core.children(recursive=True):
