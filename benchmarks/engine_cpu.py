@@ -16,6 +16,9 @@ engines' model workers are bound to, on the cores vLLM's CPU backend
 reserves for the frontend (``VLLM_CPU_NUM_OF_RESERVED_CPU``), which vLLM
 itself does not hold the frontend to.
 
+Process CPU is read in clock ticks (10 ms): the shares mean something for
+runs of a second or more (256 streams and up), not for a smoke run.
+
 ``--raw-busy-us X [Y ...]`` adds raw drivers that burn X microseconds of the
 main thread per output: how much does the frontend's own CPU cost the
 engine's throughput on this machine?
