@@ -81,8 +81,6 @@ class Run:
     cpu_seconds: float = 0.0
     thread_cpu: dict[str, float] = field(default_factory=dict)
     rss_growth: int = 0
-    # Whether the lag task and the GIL/RSS thread ran alongside (see ``--probe-reps``).
-    probed: bool = True
 
 
 @dataclass
@@ -118,7 +116,7 @@ class Probe:
 
     def __init__(self, sample: bool = True) -> None:
         # sample=False: no thread at all, only the CPU clocks at both ends, so
-        # the run it watches is not slowed by the watching (see ``Settings.probed``).
+        # the run it watches is not slowed by the watching (see ``passes``).
         self.sample = sample
         self.start = 0
         self.peak = 0
@@ -181,7 +179,6 @@ class Probe:
 
     def fill(self, run: Run) -> None:
         """Copy what was watched into ``run``."""
-        run.probed = self.sample
         run.rss_growth = self.peak - self.start
         run.gil = self.gil_waits
         run.thread_cpu = {k: v for k, v in self.thread_cpu.items() if k != "probe"}
@@ -430,24 +427,28 @@ async def settle(limit: float) -> float:
     ``limit`` seconds; 0 skips the wait.
     """
     began = time.perf_counter()
-    me = psutil.Process()
+    me = os.getpid()
     while time.perf_counter() - began < limit:
-        before = _descendants_cpu(me)
+        before = process_cpu()
         await asyncio.sleep(0.1)
-        if _descendants_cpu(me) - before < 0.003:
+        after = process_cpu()
+        busy = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items() if pid != me)
+        if busy < 0.003:
             break
     return time.perf_counter() - began
 
 
-def _descendants_cpu(process: psutil.Process) -> float:
-    total = 0.0
-    for child in process.children(recursive=True):
+def process_cpu() -> dict[int, float]:
+    """CPU seconds so far of this process and each of its descendants, by pid."""
+    me = psutil.Process()
+    spent = {}
+    for process in (me, *me.children(recursive=True)):
         try:
-            times = child.cpu_times()
+            times = process.cpu_times()
         except psutil.Error:  # ended meanwhile
             continue
-        total += times.user + times.system
-    return total
+        spent[process.pid] = times.user + times.system
+    return spent
 
 
 def medians(runs: list[Run]) -> dict[str, float]:

@@ -37,25 +37,11 @@ import os
 import statistics
 import time
 import uuid
-from typing import Any
 
 import psutil
-from bench import DRIVERS, Engines, Workload, engine_settings, settle
+from bench import DRIVERS, Engines, Workload, engine_settings, process_cpu, settle
 from vllm import LLMEngine
 from vllm.inputs import TokensPrompt
-
-
-def process_cpu() -> dict[int, float]:
-    """CPU seconds so far of this process and each of its descendants, by pid."""
-    me = psutil.Process()
-    spent = {}
-    for process in (me, *me.children(recursive=True)):
-        try:
-            times = process.cpu_times()
-        except psutil.Error:  # ended meanwhile
-            continue
-        spent[process.pid] = times.user + times.system
-    return spent
 
 
 def owners(engines: Engines) -> dict[int, str]:
@@ -139,7 +125,7 @@ async def measure(args: argparse.Namespace) -> None:
         print(f"pinned runs: this process on CPUs {sorted(reserved)} of {sorted(every)}")
     try:
         for n in args.concurrency:
-            rates: dict[str, list[float]] = {f"{d}{p}": [] for d in drivers for p in pins_(pins)}
+            rates: dict[bool, dict[str, list[float]]] = {p: {d: [] for d in drivers} for p in pins}
             for rep in range(args.reps):
                 shift = rep % len(drivers)
                 order = pins if rep % 2 == 0 else pins[::-1]
@@ -157,7 +143,7 @@ async def measure(args: argparse.Namespace) -> None:
                         run = await engines.run(driver, n, probed=False)
                         rate = run.output_tokens / run.seconds
                     seconds, after = time.perf_counter() - began, process_cpu()
-                    rates[f"{driver}{' pinned' if pinned else ''}"].append(rate)
+                    rates[pinned][driver].append(rate)
                     shares = {
                         names.get(pid, str(pid)): (after[pid] - before.get(pid, 0.0)) / seconds
                         for pid in after
@@ -168,14 +154,13 @@ async def measure(args: argparse.Namespace) -> None:
                         if share >= 0.02
                     )
                     if not args.quiet:
-                        label = f"{driver}{' pinned' if pinned else ''}"
+                        label = _label(driver, pinned)
                         print(f"{n:>5} {label:>19} {rate:>8.0f} tok/s | {busy_ones}", flush=True)
-            medians: dict[str, Any] = {d: statistics.median(v) for d, v in rates.items()}
-            for suffix in pins_(pins):
+            for pinned, by_driver in rates.items():
+                medians = {d: statistics.median(v) for d, v in by_driver.items()}
                 row = "  ".join(
-                    f"{d} {m:.0f} ({m / medians['raw' + suffix]:.3f} x raw)"
+                    f"{_label(d, pinned)} {m:.0f} ({m / medians['raw']:.3f} x raw)"
                     for d, m in medians.items()
-                    if d.endswith(suffix) and (suffix or not d.endswith(" pinned"))
                 )
                 print(f"{n:>5} medians of {args.reps}: {row}", flush=True)
     finally:
@@ -183,8 +168,8 @@ async def measure(args: argparse.Namespace) -> None:
         await engines.close()
 
 
-def pins_(pins: tuple[bool, ...]) -> list[str]:
-    return ["" if not p else " pinned" for p in pins]
+def _label(driver: str, pinned: bool) -> str:
+    return f"{driver} pinned" if pinned else driver
 
 
 def main() -> None:
