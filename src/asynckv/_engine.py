@@ -67,6 +67,16 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
     ``stream_interval`` (seconds, default 0): the default of ``generate``'s
     own, which makes a stream wake its consumer at most once per interval.
 
+    ``keep_off_model_cores`` (default True): where the engine's model workers
+    are bound to some of this process's CPUs (vLLM's CPU backend), keep the
+    worker thread and vLLM's output thread on the others, which vLLM reserves
+    for the frontend, while 32 or more requests are in flight (and until 8
+    or fewer are), so that they don't preempt a long model step. The caller's
+    event loop is never moved; on a GPU nothing is bound and nothing moves.
+    Threads and processes started from the worker thread meanwhile (a
+    ``run_on_engine`` callable's) inherit the placement. docs/performance.md
+    has the figures.
+
     ``rebuild`` (a wrapped engine only): a callable that builds a new engine
     after this one died; with it, ``restart`` (default ``RestartPolicy()``)
     says how often. ``from_engine_args(..., restart=...)`` rebuilds from the
@@ -89,13 +99,16 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         stream_interval: float = 0.0,
         rebuild: Callable[[], EngineLike] | None = None,
         restart: RestartPolicy | None = None,
+        keep_off_model_cores: bool = True,
     ) -> None:
         if restart is not None and rebuild is None:
             raise ValueError("restart needs rebuild=: a wrapped engine can't be rebuilt without it")
         if rebuild is not None and restart is None:
             restart = RestartPolicy()
         self._record = BuildRecord(llm_engine)
-        self._worker = Worker(lambda: llm_engine, freeze_gc, _checks.restart(restart), rebuild)
+        self._worker = Worker(
+            lambda: llm_engine, freeze_gc, _checks.restart(restart), rebuild, keep_off_model_cores
+        )
         self._closed = False
         self._stream_interval = _checks.stream_interval(stream_interval)
         self._worker.start(None)
@@ -111,14 +124,15 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         freeze_gc: bool = True,
         stream_interval: float = 0.0,
         restart: RestartPolicy | None = None,
+        keep_off_model_cores: bool = True,
     ) -> AsyncEngine:
         """Make an engine that ``start()`` will build from ``engine_args``.
 
         Does no heavy work: nothing is loaded until ``start()`` (``AsyncLLM``
         builds in its constructor). ``usage_context`` and ``stat_loggers`` go
         to ``LLMEngine.from_engine_args``; ``start_engine_loop`` is accepted for
-        ``AsyncLLM``'s signature and, as there, changes nothing. ``freeze_gc``
-        and ``stream_interval``: see the class.
+        ``AsyncLLM``'s signature and, as there, changes nothing. ``freeze_gc``,
+        ``stream_interval`` and ``keep_off_model_cores``: see the class.
 
         ``restart`` (default None: a death is final): rebuild a dead engine from
         the same arguments and resume every unfinished request where it
@@ -133,7 +147,7 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
             usage_context=usage_context,
             stat_loggers=stat_loggers,
         )
-        return cls._unstarted(build, freeze_gc, stream_interval, restart)
+        return cls._unstarted(build, freeze_gc, stream_interval, restart, keep_off_model_cores)
 
     @classmethod
     def _unstarted(
@@ -142,13 +156,16 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         freeze_gc: bool,
         stream_interval: float = 0.0,
         restart: RestartPolicy | None = None,
+        keep_off_model_cores: bool = True,
     ) -> AsyncEngine:
         self = cls.__new__(cls)
         self._record = BuildRecord()
         # A rebuilt engine is not recorded: the loop reads the first one's configs
         # and renderer, which a rebuild from the same arguments leaves as they were.
         policy = _checks.restart(restart)
-        self._worker = Worker(self._record.wrap(build), freeze_gc, policy, build)
+        self._worker = Worker(
+            self._record.wrap(build), freeze_gc, policy, build, keep_off_model_cores
+        )
         self._closed = False
         self._stream_interval = _checks.stream_interval(stream_interval)
         return self

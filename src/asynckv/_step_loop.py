@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ._counters import Counters
     from ._inbox import Inbox
     from ._loops import Loop
+    from ._placement import Placement
     from ._recover import Recovery
     from ._registry import Registry
     from ._steps import StepHub
@@ -62,6 +63,7 @@ class StepLoop:
         _carry: deque[Command]
         _output_ready: Callable[[], bool] | None
         _hook_fired: bool
+        placement: Placement
 
         def die(self, cause: BaseException, deaths: tuple[BaseException, ...] = ()) -> None: ...
 
@@ -156,6 +158,7 @@ class StepLoop:
         delivered, finished = self.registry.dispatch(outputs, outbox)
         counters.outputs_delivered += delivered
         counters.requests_finished += finished
+        self.placement.follow(len(self.registry.routes))
         if self.registry.stopped:
             # A resumed completion ended by a stop string across its join.
             stopped, self.registry.stopped = self.registry.stopped, []

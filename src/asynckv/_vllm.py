@@ -8,7 +8,7 @@ fake engine is checked against it.
 
 Threads: ``abort_outputs``, ``pause_core_scheduler``, ``resume_core_scheduler``
 and ``shutdown_core`` run on the worker thread; ``engine_processes``,
-``has_core_process`` and ``watch_outputs`` right after the engine is built
+``client_threads``, ``has_core_process`` and ``watch_outputs`` right after the engine is built
 (also on the worker); ``unblock_step`` and ``fail_utility_calls`` on the
 watchdog thread; the output helpers (``final_abort_output``, ``copy_delta``,
 ``merge_delta``, ``request_stat``) on the stream's event loop; ``tap_steps``
@@ -38,6 +38,7 @@ __all__ = (
     "StepTap",
     "VllmEngineDeadError",
     "abort_outputs",
+    "client_threads",
     "copy_delta",
     "detokenizers",
     "engine_processes",
@@ -152,6 +153,13 @@ def detokenizers(engine: EngineLike, request_id: str) -> list[tuple[int, Any]]:
         ):
             found.append((int(getattr(state, "request_index", 0)), detokenizer))
     return found
+
+
+def client_threads(engine: EngineLike) -> list[int]:
+    """The native ids of the threads vLLM's client runs beside the worker (its output thread)."""
+    thread = getattr(engine.engine_core, "output_queue_thread", None)
+    native_id = getattr(thread, "native_id", None)
+    return [native_id] if isinstance(native_id, int) else []
 
 
 def engine_processes(engine: EngineLike) -> list[BaseProcess]:

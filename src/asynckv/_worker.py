@@ -14,6 +14,8 @@ the inbox open (commands wait there), rebuilds the engine, re-adds every
 unfinished request as its continuation (``_resume.py``), and serves again;
 the commands it was applying when the engine died are applied again first.
 ``_restart.py`` decides, at each death, whether the policy allows it.
+Under load the worker thread keeps off the cores the model workers are bound
+to (``_placement.py``); it gets every CPU back before a rebuild.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ._counters import Counters, Snapshot
 from ._errors import EngineClosedError, EngineDeadError
 from ._inbox import Inbox
 from ._log import emit
+from ._placement import Placement
 from ._recover import Recovery
 from ._registry import Life, Registry
 from ._restart import RestartPolicy
@@ -68,6 +71,7 @@ class Worker(StepLoop):
         freeze_gc: bool = False,
         restart: RestartPolicy | None = None,
         rebuild: Callable[[], EngineLike] | None = None,
+        keep_off_model_cores: bool = True,
     ) -> None:
         self.inbox: Inbox[Command] = Inbox()
         self.registry = Registry(self.inbox)
@@ -77,6 +81,8 @@ class Worker(StepLoop):
         """The readers of ``engine.steps()``: a record per step while there are any."""
         self._build = build
         self._freeze_gc = freeze_gc
+        self.placement = Placement(keep_off_model_cores)
+        """The worker thread's CPUs (``_placement.py``): changed by the worker only."""
         self._processes: list[BaseProcess] = []
         self._closing = threading.Event()  # wakes the watchdog on close
         self._thread = threading.Thread(target=self._run, name="asynckv-engine", daemon=True)
@@ -217,6 +223,8 @@ class Worker(StepLoop):
             finally:
                 self._left.set()
                 shutdown_core(engine)
+                # The next engine's processes are started from this thread: all CPUs.
+                self.placement.release()
             self._generation += 1
             self._fault = None
             self._left = threading.Event()
@@ -229,6 +237,7 @@ class Worker(StepLoop):
 
     def _serve(self, engine: EngineLike, outbox: Outbox, began: float, first: bool = True) -> None:
         self._processes = engine_processes(engine)
+        self.placement.attach(engine, self._processes)
         if first:
             self.registry.set_core(has_core_process(engine))
         self._hook_fired = False

@@ -1,0 +1,85 @@
+"""What keeping asynckv's worker off the model cores is worth: the same engine, both ways.
+
+On vLLM's CPU backend the model worker is bound to some cores and the rest are
+left to the frontend; asynckv keeps its worker thread and vLLM's output thread
+there (``keep_off_model_cores``, ``_placement.py``). This builds ``bench.py``'s
+raw and asynckv engines in one process and runs, interleaved and settled as
+``bench.py`` does: raw; asynckv as it is; and asynckv with those two threads
+given every CPU for the run (what it did before the placement). Prints the
+medians and each one's ratio to raw.
+
+    python benchmarks/placement.py --concurrency 256 1024 --reps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+
+from bench import Engines, engine_settings, settle
+
+
+async def measure(args: argparse.Namespace) -> None:
+    bench_args = argparse.Namespace(
+        model=None,
+        concurrency=args.concurrency,
+        output_len=args.output_len,
+        max_num_seqs=256,
+        max_model_len=512,
+        load_format=None,
+        skip_tokenizer_init=False,
+        gpu_memory_utilization=None,
+        enforce_eager=False,
+        stream_interval=None,
+        switch_interval=None,
+    )
+    engines = Engines(engine_settings(bench_args), bench_args)
+    await engines.start()
+    worker = engines.kv._worker  # the one look inside: which threads were placed
+    kept = worker.placement.cpus
+    if kept is None:
+        print("the worker was not moved (no model worker bound to a subset of our CPUs)")
+        await engines.close()
+        return
+    every = set(os.sched_getaffinity(0))
+    output_thread = await engines.kv.run_on_engine(
+        lambda e: e.engine_core.output_queue_thread.native_id
+    )
+    threads = [worker._thread.native_id, output_thread]
+    print(f"worker kept on CPUs {sorted(kept)} of {sorted(every)}")
+    drivers = ["raw", "asynckv", "asynckv_unplaced"]
+    try:
+        for n in args.concurrency:
+            rates: dict[str, list[float]] = {d: [] for d in drivers}
+            for rep in range(args.reps):
+                shift = rep % len(drivers)
+                for driver in drivers[shift:] + drivers[:shift]:
+                    for thread in threads:
+                        os.sched_setaffinity(thread, every if driver.endswith("unplaced") else kept)
+                    await settle(5.0)
+                    run = await engines.run(driver.removesuffix("_unplaced"), n, probed=False)
+                    rates[driver].append(run.output_tokens / run.seconds)
+            raw = statistics.median(rates["raw"])
+            row = "  ".join(
+                f"{d} {statistics.median(v):.0f} ({statistics.median(v) / raw:.3f} x raw)"
+                for d, v in rates.items()
+            )
+            print(f"{n:>5} medians of {args.reps}: {row}", flush=True)
+    finally:
+        for thread in threads:
+            os.sched_setaffinity(thread, kept)
+        await engines.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--output-len", type=int, default=64)
+    asyncio.run(measure(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
