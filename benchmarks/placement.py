@@ -4,9 +4,9 @@ On vLLM's CPU backend the model worker is bound to some cores and the rest are
 left to the frontend; asynckv keeps its worker thread and vLLM's output thread
 there (``keep_off_model_cores``, ``_placement.py``). This builds ``bench.py``'s
 raw and asynckv engines in one process and runs, interleaved and settled as
-``bench.py`` does: raw; asynckv as it is; and asynckv with those two threads
-given every CPU for the run (what it did before the placement). Prints the
-medians and each one's ratio to raw.
+``bench.py`` does: raw; asynckv as it is; and asynckv with the placement
+switched off for the run, its threads on every CPU (what it did before).
+Prints the medians and each one's ratio to raw.
 
     python benchmarks/placement.py --concurrency 256 1024 --reps 10
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 
 from bench import Engines, engine_settings, settle
@@ -37,18 +36,13 @@ async def measure(args: argparse.Namespace) -> None:
     )
     engines = Engines(engine_settings(bench_args), bench_args)
     await engines.start()
-    worker = engines.kv._worker  # the one look inside: which threads were placed
-    kept = worker.placement.cpus
-    if kept is None:
-        print("the worker was not moved (no model worker bound to a subset of our CPUs)")
+    placement = engines.kv._worker.placement  # the one look inside: switched between runs
+    frontend = placement.frontend
+    if frontend is None:
+        print("nothing to place: no model worker is bound to a subset of our CPUs")
         await engines.close()
         return
-    every = set(os.sched_getaffinity(0))
-    output_thread = await engines.kv.run_on_engine(
-        lambda e: e.engine_core.output_queue_thread.native_id
-    )
-    threads = [worker._thread.native_id, output_thread]
-    print(f"worker kept on CPUs {sorted(kept)} of {sorted(every)}")
+    print(f"under load the worker goes to CPUs {sorted(frontend)} of {sorted(placement._own)}")
     drivers = ["raw", "asynckv", "asynckv_unplaced"]
     try:
         for n in args.concurrency:
@@ -56,8 +50,9 @@ async def measure(args: argparse.Namespace) -> None:
             for rep in range(args.reps):
                 shift = rep % len(drivers)
                 for driver in drivers[shift:] + drivers[:shift]:
-                    for thread in threads:
-                        os.sched_setaffinity(thread, every if driver.endswith("unplaced") else kept)
+                    # Between runs nothing is in flight, so the threads are on every CPU;
+                    # without a frontend the worker leaves them there for the run.
+                    placement.frontend = None if driver.endswith("unplaced") else frontend
                     await settle(5.0)
                     run = await engines.run(driver.removesuffix("_unplaced"), n, probed=False)
                     rates[driver].append(run.output_tokens / run.seconds)
@@ -68,8 +63,7 @@ async def measure(args: argparse.Namespace) -> None:
             )
             print(f"{n:>5} medians of {args.reps}: {row}", flush=True)
     finally:
-        for thread in threads:
-            os.sched_setaffinity(thread, kept)
+        placement.frontend = frontend
         await engines.close()
 
 
