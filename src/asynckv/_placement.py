@@ -11,9 +11,9 @@ does not hold the frontend there. The worker thread wakes at every step; when
 the kernel places it on a model worker's core, it preempts the model for as
 long as it runs. On the 2-core development machine, keeping the worker thread
 and vLLM's output thread (which the worker built) on the frontend's core
-while many requests run brought asynckv from about 0.95 of the bare sync
-loop to parity at 256 and 1,024 streams (benchmarks/NOTES.md, change 11;
-``Placement`` says why only then). Nothing changes
+while many requests run raised asynckv from 0.953 to 1.013 of the bare sync
+loop's throughput at 256 streams, and from 0.938 to 0.984 at 1,024
+(benchmarks/NOTES.md, change 11; ``Placement`` says why only then). Nothing changes
 where the model workers are not bound to a subset of our cores: a GPU, or
 the in-process mode, where the model runs on the worker thread itself.
 
