@@ -494,6 +494,14 @@ class Engines:
     def __init__(self, settings: dict[str, Any], args: argparse.Namespace) -> None:
         self.settings, self.args = settings, args
 
+    @classmethod
+    def with_defaults(cls, concurrency: list[int], output_len: int) -> Engines:
+        """The engines of a plain ``bench.py`` run at these sizes (for the diagnostics)."""
+        args = build_parser().parse_args(
+            ["--concurrency", *map(str, concurrency), "--output-len", str(output_len)]
+        )
+        return cls(engine_settings(args), args)
+
     async def start(self) -> int:
         self.raw = LLMEngine.from_engine_args(EngineArgs(**self.settings))
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings))
@@ -840,7 +848,8 @@ def save_json(results: dict[str, Any], out: Path) -> Path:
     return path
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """bench.py's command line (also the defaults of ``Engines.with_defaults``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint (default: the tiny model)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
@@ -902,7 +911,11 @@ def main() -> None:
         metavar="MS",
         help=f"also run asynckv ({SWITCH_DRIVER}) with sys.setswitchinterval(MS / 1000)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     results = asyncio.run(bench(args))
     json_path, png_path = save_json(results, args.out), args.out.with_suffix(".png")
     plot(results, png_path)

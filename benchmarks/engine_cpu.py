@@ -39,9 +39,11 @@ import time
 import uuid
 
 import psutil
-from bench import DRIVERS, Engines, Workload, engine_settings, process_cpu, settle
+from bench import DRIVERS, Engines, Workload, process_cpu, settle
 from vllm import LLMEngine
 from vllm.inputs import TokensPrompt
+
+from asynckv import _placement as placement
 
 
 def owners(engines: Engines) -> dict[int, str]:
@@ -62,18 +64,13 @@ def owners(engines: Engines) -> dict[int, str]:
 
 
 def frontend_cpus() -> set[int]:
-    """The CPUs this process may use that no engine worker process is bound to."""
-    me = psutil.Process()
-    ours = set(os.sched_getaffinity(0))
-    bound: set[int] = set()
-    for process in me.children(recursive=True):
-        try:
-            cpus = set(process.cpu_affinity())
-        except psutil.Error:
-            continue
-        if cpus != ours:  # bound by vLLM (the CPU backend's OMP binding)
-            bound |= cpus
-    return (ours - bound) or ours
+    """The CPUs this process may use that no engine worker process is bound to.
+
+    asynckv's own rule (``_placement.py``), over every engine of this process.
+    """
+    ours = frozenset(os.sched_getaffinity(0))
+    cores = [process.pid for process in psutil.Process().children()]
+    return set(placement.frontend_cpus(ours, placement.model_worker_cpus(cores, ours)) or ours)
 
 
 def pin_threads(cpus: set[int]) -> None:
@@ -102,20 +99,7 @@ def run_raw_busy(engine: LLMEngine, work: Workload, n: int, busy_us: float) -> f
 
 
 async def measure(args: argparse.Namespace) -> None:
-    bench_args = argparse.Namespace(
-        model=None,
-        concurrency=args.concurrency,
-        output_len=args.output_len,
-        max_num_seqs=256,
-        max_model_len=512,
-        load_format=None,
-        skip_tokenizer_init=False,
-        gpu_memory_utilization=None,
-        enforce_eager=False,
-        stream_interval=None,
-        switch_interval=None,
-    )
-    engines = Engines(engine_settings(bench_args), bench_args)
+    engines = Engines.with_defaults(args.concurrency, args.output_len)
     await engines.start()
     names = owners(engines)
     drivers = [*DRIVERS, *(f"raw_busy{x:g}" for x in args.raw_busy_us)]

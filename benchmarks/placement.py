@@ -15,26 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 
-from bench import Engines, engine_settings, settle
+from bench import Engines, settle
 
 
 async def measure(args: argparse.Namespace) -> None:
-    bench_args = argparse.Namespace(
-        model=None,
-        concurrency=args.concurrency,
-        output_len=args.output_len,
-        max_num_seqs=256,
-        max_model_len=512,
-        load_format=None,
-        skip_tokenizer_init=False,
-        gpu_memory_utilization=None,
-        enforce_eager=False,
-        stream_interval=None,
-        switch_interval=None,
-    )
-    engines = Engines(engine_settings(bench_args), bench_args)
+    engines = Engines.with_defaults(args.concurrency, args.output_len)
     await engines.start()
     placement = engines.kv._worker.placement  # the one look inside: switched between runs
     frontend = placement.frontend
@@ -42,7 +30,8 @@ async def measure(args: argparse.Namespace) -> None:
         print("nothing to place: no model worker is bound to a subset of our CPUs")
         await engines.close()
         return
-    print(f"under load the worker goes to CPUs {sorted(frontend)} of {sorted(placement._own)}")
+    every = sorted(os.sched_getaffinity(0))
+    print(f"under load the worker goes to CPUs {sorted(frontend)} of {every}")
     drivers = ["raw", "asynckv", "asynckv_unplaced"]
     try:
         for n in args.concurrency:

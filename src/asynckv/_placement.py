@@ -13,9 +13,10 @@ long as it runs. On the 2-core development machine, keeping the worker thread
 and vLLM's output thread (which the worker built) on the frontend's core
 while many requests run raised asynckv from 0.953 to 1.013 of the bare sync
 loop's throughput at 256 streams, and from 0.938 to 0.984 at 1,024
-(benchmarks/NOTES.md, change 11; ``Placement`` says why only then). Nothing changes
-where the model workers are not bound to a subset of our cores: a GPU, or
-the in-process mode, where the model runs on the worker thread itself.
+(benchmarks/NOTES.md, change 11; ``Placement`` says why only then).
+Nothing changes where the model workers are not bound to a subset of our
+cores: a GPU, or the in-process mode, where the model runs on the worker
+thread itself.
 
 Only the worker's own threads are moved, never the caller's event loop. A
 thread or process started later from the worker thread inherits the
@@ -35,11 +36,12 @@ from ._log import emit
 from ._vllm import client_threads
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from multiprocessing.process import BaseProcess
 
     from ._vllm import EngineLike
 
-__all__ = ("PIN_AT", "UNPIN_AT", "Placement", "frontend_cpus")
+__all__ = ("PIN_AT", "UNPIN_AT", "Placement", "frontend_cpus", "model_worker_cpus")
 
 PIN_AT = 32
 """Requests in flight from which the worker is kept off the model cores."""
@@ -60,19 +62,18 @@ def frontend_cpus(ours: frozenset[int], bound: frozenset[int]) -> frozenset[int]
     return rest
 
 
-def model_worker_cpus(processes: list[BaseProcess], ours: frozenset[int]) -> frozenset[int]:
+def model_worker_cpus(cores: Iterable[int], ours: frozenset[int]) -> frozenset[int]:
     """The CPUs the engine's model workers are bound to: empty where none is bound.
 
-    A model worker is any descendant of an engine-core process (or the core
-    itself, which is the model worker in vLLM's single-process executor) whose
-    CPU affinity is a strict subset of ours: vLLM's CPU backend set it so.
+    ``cores``: the pids of the engine-core processes. A model worker is any
+    descendant of one (or the core itself, which is the model worker in
+    vLLM's single-process executor) whose CPU affinity is a strict subset of
+    ours: vLLM's CPU backend set it so.
     """
     bound: set[int] = set()
-    for process in processes:
-        if process.pid is None:
-            continue
+    for pid in cores:
         try:
-            core = psutil.Process(process.pid)
+            core = psutil.Process(pid)
             family = [core, *core.children(recursive=True)]
         except psutil.Error:  # ended meanwhile: the watchdog reports it
             continue
@@ -118,7 +119,8 @@ class Placement:
         if not self.enabled or not processes:
             return
         own = frozenset(os.sched_getaffinity(0))  # 0: the calling thread, on Linux
-        frontend = frontend_cpus(own, model_worker_cpus(processes, own))
+        cores = [process.pid for process in processes if process.pid is not None]
+        frontend = frontend_cpus(own, model_worker_cpus(cores, own))
         if frontend is None:
             return
         self._own, self.frontend = own, frontend

@@ -8,8 +8,8 @@ fake engine is checked against it.
 
 Threads: ``abort_outputs``, ``pause_core_scheduler``, ``resume_core_scheduler``
 and ``shutdown_core`` run on the worker thread; ``engine_processes``,
-``client_threads``, ``has_core_process`` and ``watch_outputs`` right after the engine is built
-(also on the worker); ``unblock_step`` and ``fail_utility_calls`` on the
+``client_threads``, ``has_core_process`` and ``watch_outputs`` right after
+the engine is built (also on the worker); ``unblock_step`` and ``fail_utility_calls`` on the
 watchdog thread; the output helpers (``final_abort_output``, ``copy_delta``,
 ``merge_delta``, ``request_stat``) on the stream's event loop; ``tap_steps``
 and its ``StepTap`` on the worker (inside ``step()``).
