@@ -1,7 +1,7 @@
 """Keep the worker thread off the cores the engine's model workers are bound to.
 
 Runs on the worker thread: ``Placement.attach`` right after an engine is
-built, ``Placement.follow`` after each step, ``Placement.release`` before
+built, ``Placement.follow`` after each pass's commands and each step, ``Placement.release`` before
 the next engine is built (a restart).
 
 Why: vLLM's CPU backend binds each model worker process (its OpenMP

@@ -108,6 +108,8 @@ class StepLoop:
                         failed.fail(outbox, error)
                     outbox.flush()
                     raise
+            # Before the answers go out: an abort or close may have ended the load.
+            self.placement.follow(len(self.registry.routes))
             if outbox:
                 # Answer the commands before stepping: a step can take long, or
                 # (a request vLLM took but its core dropped) never return.
