@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import statistics
@@ -85,8 +86,19 @@ class Run:
 
 @dataclass
 class Workload:
+    """The prompts and sampling of every run.
+
+    A run at ``n`` streams sends one or more bursts of ``n`` requests, one
+    burst after another, each on the next ``n`` prompts (``burst``).
+    """
+
     prompts: list[list[int]]
     params: SamplingParams
+
+    def burst(self, n: int, index: int) -> list[list[int]]:
+        """The prompts of burst ``index`` at ``n`` streams (wrapping round the prompts)."""
+        start = (index * n) % len(self.prompts)
+        return [self.prompts[(start + i) % len(self.prompts)] for i in range(n)]
 
 
 def make_workload(
@@ -214,30 +226,35 @@ def gaps(times: list[float]) -> list[float]:
 # -- the drivers ---------------------------------------------------------------------
 
 
-def run_raw(engine: LLMEngine, work: Workload, concurrency: int, probed: bool = True) -> Run:
-    """The sync loop: add every request, step until done. The floor for any wrapper."""
-    ids = [uuid.uuid4().hex for _ in range(concurrency)]
+def run_raw(
+    engine: LLMEngine, work: Workload, concurrency: int, probed: bool = True, bursts: int = 1
+) -> Run:
+    """The sync loop: add every request of a burst, step until done. The floor for any wrapper."""
     arrivals: dict[str, float] = {}
-    stamps: dict[str, list[float]] = {rid: [] for rid in ids}
+    starts: dict[str, float] = {}
+    stamps: dict[str, list[float]] = {}
     tokens = 0
     t0 = time.perf_counter()
     with Probe(probed) as probe:
-        for rid, prompt in zip(ids, work.prompts, strict=False):
-            arrivals[rid] = time.perf_counter()
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), work.params)
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            now = time.perf_counter()
-            for out in outputs:
-                stamps[out.request_id].append(now)
-                if out.finished:
-                    tokens += len(out.outputs[0].token_ids)
+        for index in range(bursts):
+            began = time.perf_counter()
+            for prompt in work.burst(concurrency, index):
+                rid = uuid.uuid4().hex
+                arrivals[rid], starts[rid], stamps[rid] = time.perf_counter(), began, []
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), work.params)
+            while engine.has_unfinished_requests():
+                outputs = engine.step()
+                now = time.perf_counter()
+                for out in outputs:
+                    stamps[out.request_id].append(now)
+                    if out.finished:
+                        tokens += len(out.outputs[0].token_ids)
     run = Run("raw", concurrency, time.perf_counter() - t0, tokens)
     probe.fill(run)
-    for rid in ids:
-        run.ttft.append(stamps[rid][0] - arrivals[rid])
-        run.ttft_burst.append(stamps[rid][0] - t0)
-        run.itl.extend(gaps(stamps[rid]))
+    for rid, times in stamps.items():
+        run.ttft.append(times[0] - arrivals[rid])
+        run.ttft_burst.append(times[0] - starts[rid])
+        run.itl.extend(gaps(times))
     return run
 
 
@@ -248,6 +265,7 @@ async def _drive(
     submit: Callable[[str, list[int], SamplingParams], Any],
     per_output: Callable[[], Awaitable[None]] | None = None,
     probed: bool = True,
+    bursts: int = 1,
 ) -> Run:
     """Run one task per request consuming its stream; measure everything.
 
@@ -260,7 +278,7 @@ async def _drive(
     lag_task = asyncio.create_task(measure_lag(stop, run.lag)) if probed else None
     await asyncio.sleep(0.005)  # let the lag probe settle
 
-    async def one(prompt: list[int]) -> int:
+    async def one(prompt: list[int], began: float) -> int:
         arrival = time.perf_counter()
         stamps: list[float] = []
         tokens = 0
@@ -273,16 +291,19 @@ async def _drive(
             if per_output is not None:
                 await per_output()
         run.ttft.append(stamps[0] - arrival)
-        run.ttft_burst.append(stamps[0] - t0)
+        run.ttft_burst.append(stamps[0] - began)
         run.itl.extend(gaps(stamps))
         return tokens
 
     t0 = time.perf_counter()
     with Probe(probed) as probe:
-        counts = await asyncio.gather(*(one(p) for p in work.prompts[:concurrency]))
+        for index in range(bursts):
+            began = time.perf_counter()
+            prompts = work.burst(concurrency, index)
+            counts = await asyncio.gather(*(one(p, began) for p in prompts))
+            run.output_tokens += sum(counts)
     run.seconds = time.perf_counter() - t0
     probe.fill(run)
-    run.output_tokens = sum(counts)
     stop.set()
     if lag_task is not None:
         await lag_task
@@ -290,12 +311,17 @@ async def _drive(
 
 
 async def run_asyncllm(
-    llm: AsyncLLM, work: Workload, concurrency: int, per_output: Any = None, probed: bool = True
+    llm: AsyncLLM,
+    work: Workload,
+    concurrency: int,
+    per_output: Any = None,
+    probed: bool = True,
+    bursts: int = 1,
 ) -> Run:
     def submit(rid: str, prompt: list[int], params: SamplingParams) -> Any:
         return llm.generate(TokensPrompt(prompt_token_ids=prompt), params, rid)
 
-    return await _drive("asyncllm", concurrency, work, submit, per_output, probed)
+    return await _drive("asyncllm", concurrency, work, submit, per_output, probed, bursts)
 
 
 async def run_asynckv(
@@ -305,12 +331,13 @@ async def run_asynckv(
     per_output: Any = None,
     interval: float | None = None,
     probed: bool = True,
+    bursts: int = 1,
 ) -> Run:
     def submit(rid: str, prompt: list[int], params: SamplingParams) -> Any:
         prompt_ = TokensPrompt(prompt_token_ids=prompt)
         return engine.generate(prompt_, params, rid, stream_interval=interval)
 
-    return await _drive("asynckv", concurrency, work, submit, per_output, probed)
+    return await _drive("asynckv", concurrency, work, submit, per_output, probed, bursts)
 
 
 # -- summaries -------------------------------------------------------------------------
@@ -513,9 +540,9 @@ class Engines:
             await self.run(driver, 4)
         return vocab
 
-    async def run(self, driver: str, n: int, probed: bool = True) -> Run:
+    async def run(self, driver: str, n: int, probed: bool = True, bursts: int = 1) -> Run:
         return await run_driver(
-            driver, n, self.work, self.args, self.raw, self.llm, self.kv, probed
+            driver, n, self.work, self.args, self.raw, self.llm, self.kv, probed, bursts
         )
 
     async def close(self) -> None:
@@ -544,27 +571,28 @@ async def run_driver(
     llm: AsyncLLM | None,
     kv: AsyncEngine | None,
     probed: bool = True,
+    bursts: int = 1,
 ) -> Run:
-    """One repetition of ``driver`` at ``n`` streams, on the engines given."""
+    """One repetition of ``driver`` at ``n`` streams, ``bursts`` bursts, on the engines given."""
     if driver == "raw":
         assert raw is not None
-        return run_raw(raw, work, n, probed)
+        return run_raw(raw, work, n, probed, bursts)
     if driver == "asyncllm":
         assert llm is not None
-        return await run_asyncllm(llm, work, n, probed=probed)
+        return await run_asyncllm(llm, work, n, probed=probed, bursts=bursts)
     assert kv is not None
     if driver == SWITCH_DRIVER:
         default = sys.getswitchinterval()
         sys.setswitchinterval(args.switch_interval / 1e3)
         try:
-            run = await run_asynckv(kv, work, n, probed=probed)
+            run = await run_asynckv(kv, work, n, probed=probed, bursts=bursts)
         finally:
             sys.setswitchinterval(default)
     elif driver == interval_driver(args):
         interval = args.stream_interval / 1e3
-        run = await run_asynckv(kv, work, n, interval=interval, probed=probed)
+        run = await run_asynckv(kv, work, n, interval=interval, probed=probed, bursts=bursts)
     else:
-        run = await run_asynckv(kv, work, n, probed=probed)
+        run = await run_asynckv(kv, work, n, probed=probed, bursts=bursts)
     run.driver = driver
     return run
 
@@ -598,8 +626,8 @@ async def _serve_driver(
             message = conn.recv()  # between runs: nothing else to do on this loop
             if message is None:
                 break
-            driver, n, probed = message
-            conn.send(await run_driver(driver, n, work, args, raw, llm, kv, probed))
+            driver, n, probed, bursts = message
+            conn.send(await run_driver(driver, n, work, args, raw, llm, kv, probed, bursts))
     finally:
         if kv is not None:
             await kv.aclose()
@@ -633,10 +661,10 @@ class Processes:
             assert status == "ready"
         return vocab
 
-    async def run(self, driver: str, n: int, probed: bool = True) -> Run:
+    async def run(self, driver: str, n: int, probed: bool = True, bursts: int = 1) -> Run:
         kind = "asynckv" if driver.startswith("asynckv") else driver
         _, conn = self._procs[kind]
-        conn.send((driver, n, probed))
+        conn.send((driver, n, probed, bursts))
         run: Run = await asyncio.to_thread(conn.recv)
         return run
 
@@ -671,6 +699,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             plain: dict[str, list[Run]] = {d: [] for d in drivers}
             probed: dict[str, list[Run]] = {d: [] for d in drivers}
             waits: dict[str, list[float]] = {d: [] for d in drivers}
+            bursts = await calibrate(engines, n, args)
             for rep in range(args.reps):
                 # Rotate the order each repetition, so that no driver always runs
                 # first (cold caches) or right after another (its leftover work).
@@ -678,7 +707,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for watched in passes(args, rep):
                     for driver in drivers[shift:] + drivers[:shift]:
                         waits[driver].append(await settle(args.settle))
-                        run = await engines.run(driver, n, watched)
+                        run = await engines.run(driver, n, watched, bursts)
                         if not watched or args.inline_probes:
                             plain[driver].append(run)
                         if watched:
@@ -689,6 +718,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 {"lag_p50_ms": None, "lag_p99_ms": None, "lag_max_ms": None}
             )
             results["main"][str(n)]["asynckv"]["ratio_ci95"] = ratio_intervals(plain)
+            for driver in drivers:
+                results["main"][str(n)][driver]["bursts"] = bursts
             # Keep what is measured so far: a run cut short still leaves its sizes.
             save_json(results, args.out)
             print(ratio_table(results), file=sys.stderr)
@@ -701,6 +732,24 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await engines.close()
     return results
+
+
+async def calibrate(engines: Engines | Processes, n: int, args: argparse.Namespace) -> int:
+    """How many bursts make a run of ``n`` streams last about ``--run-seconds``.
+
+    Timed on raw, single bursts until they add up to that long, then fixed for
+    every driver and repetition at this size, so each does identical work. A
+    single burst at one stream lasts about 0.1 s on the 2-core machine, and
+    its throughput varied by a factor of 1.9 between repetitions.
+    """
+    if args.run_seconds <= 0:
+        return 1
+    spent, timed = 0.0, 0
+    while spent < args.run_seconds:
+        await settle(args.settle)
+        spent += (await engines.run("raw", n, probed=False)).seconds
+        timed += 1
+    return max(1, math.ceil(float(args.run_seconds) / (spent / timed)))
 
 
 async def consumer_workloads(
@@ -855,6 +904,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--run-seconds",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="each run at N streams sends bursts of N requests one after another, as many as "
+        "make raw's run last about S seconds (timed once per size, then the same for every "
+        "driver and repetition); 0: one burst",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--out", type=Path, default=Path("results/bench"))

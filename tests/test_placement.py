@@ -151,14 +151,25 @@ async def test_restart_builds_the_next_engine_with_every_cpu(bound_core: BasePro
 
     engine = AsyncEngine(first, rebuild=rebuild)
     try:
-        streams = [engine.generate(f"r{i}", HUNDRED) for i in range(PIN_AT)]
+        # Endless: only the aclose below ends them, so the load can't end before a check.
+        streams = [engine.generate(f"r{i}", ENDLESS) for i in range(PIN_AT)]
         await _first_outputs(streams)
         assert _worker_cpus(engine) == OURS - {min(OURS)}
         first.fail_with = OSError("device lost")
-        finals = await asyncio.wait_for(asyncio.gather(*streams), 20)
-        assert all(len(final.outputs[0].token_ids) == 100 for final in finals)
-        assert engine.stats().restarts == 1
+
+        async def until_restarted() -> None:
+            while engine.stats().restarts == 0:
+                await anext(streams[0])
+
+        await asyncio.wait_for(until_restarted(), 20)
         assert seen == [OURS]
-        assert _worker_cpus(engine) == OURS  # the requests done on the new engine
+        # A new request's first output comes from a step of the next engine with every
+        # continued stream still in flight: kept off the bound CPU again.
+        after = engine.generate("after", ENDLESS)
+        await asyncio.wait_for(anext(after), 20)
+        assert _worker_cpus(engine) == OURS - {min(OURS)}
+        for stream in [*streams, after]:
+            await stream.aclose()
+        assert _worker_cpus(engine) == OURS  # the aborts ended the load
     finally:
         await engine.aclose()
