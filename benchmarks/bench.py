@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import os
@@ -404,6 +405,21 @@ def passes(args: argparse.Namespace, rep: int) -> tuple[bool, ...]:
     return (False, True) if rep < args.probe_reps else (False,)
 
 
+def run_order(drivers: list[str], rep: int) -> list[str]:
+    """The drivers' order in repetition ``rep``: rotated, and reversed every other time.
+
+    Rotating alone keeps the cycle (raw, AsyncLLM, asynckv, raw, ...), so each
+    driver would always run right after the same other one, and inherit its
+    leftovers: in one 20-repetition run at 16 streams asynckv made 1.14 x its
+    median right after raw and 0.98 x after AsyncLLM, its predecessor 14 times
+    in 20. Rotations of the order and of its reverse: each driver runs first,
+    and after each other driver, equally often (all six orders of three).
+    """
+    shift = (rep // 2) % len(drivers)
+    turned = drivers[shift:] + drivers[:shift]
+    return turned[::-1] if rep % 2 else turned
+
+
 def combine(plain: list[Run], probed: list[Run], waits: list[float]) -> dict[str, Any]:
     """One driver's row: medians of ``plain``, the probed figures from ``probed``."""
     row: dict[str, Any] = medians(plain)
@@ -573,7 +589,13 @@ async def run_driver(
     probed: bool = True,
     bursts: int = 1,
 ) -> Run:
-    """One repetition of ``driver`` at ``n`` streams, ``bursts`` bursts, on the engines given."""
+    """One repetition of ``driver`` at ``n`` streams, ``bursts`` bursts, on the engines given.
+
+    It first collects this process's garbage: in the shared mode, a driver's
+    run would otherwise pay the collections of the garbage the run before it
+    left (AsyncLLM's, asynckv's or raw's), in the separate mode its own last run's.
+    """
+    gc.collect()
     if driver == "raw":
         assert raw is not None
         return run_raw(raw, work, n, probed, bursts)
@@ -701,11 +723,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             waits: dict[str, list[float]] = {d: [] for d in drivers}
             bursts = await calibrate(engines, n, args)
             for rep in range(args.reps):
-                # Rotate the order each repetition, so that no driver always runs
-                # first (cold caches) or right after another (its leftover work).
-                shift = rep % len(drivers)
                 for watched in passes(args, rep):
-                    for driver in drivers[shift:] + drivers[:shift]:
+                    for driver in run_order(drivers, rep):
                         waits[driver].append(await settle(args.settle))
                         run = await engines.run(driver, n, watched, bursts)
                         if not watched or args.inline_probes:

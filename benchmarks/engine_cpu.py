@@ -39,7 +39,7 @@ import time
 import uuid
 
 import psutil
-from bench import DRIVERS, Engines, Workload, process_cpu, settle
+from bench import DRIVERS, Engines, Workload, process_cpu, run_order, settle
 from vllm import LLMEngine
 from vllm.inputs import TokensPrompt
 
@@ -111,11 +111,8 @@ async def measure(args: argparse.Namespace) -> None:
         for n in args.concurrency:
             rates: dict[bool, dict[str, list[float]]] = {p: {d: [] for d in drivers} for p in pins}
             for rep in range(args.reps):
-                shift = rep % len(drivers)
                 order = pins if rep % 2 == 0 else pins[::-1]
-                for pinned, driver in (
-                    (p, d) for p in order for d in drivers[shift:] + drivers[:shift]
-                ):
+                for pinned, driver in ((p, d) for p in order for d in run_order(drivers, rep)):
                     pin_threads(reserved if pinned else every)
                     if not args.no_settle:
                         await settle(5.0)

@@ -18,7 +18,7 @@ import asyncio
 import os
 import statistics
 
-from bench import Engines, settle
+from bench import Engines, run_order, settle
 
 
 async def measure(args: argparse.Namespace) -> None:
@@ -37,8 +37,7 @@ async def measure(args: argparse.Namespace) -> None:
         for n in args.concurrency:
             rates: dict[str, list[float]] = {d: [] for d in drivers}
             for rep in range(args.reps):
-                shift = rep % len(drivers)
-                for driver in drivers[shift:] + drivers[:shift]:
+                for driver in run_order(drivers, rep):
                     # Between runs nothing is in flight, so the threads are on every CPU;
                     # without a frontend the worker leaves them there for the run.
                     placement.frontend = None if driver.endswith("unplaced") else frontend
