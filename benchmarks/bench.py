@@ -1,10 +1,12 @@
 """Benchmark asynckv against the raw LLMEngine loop and vLLM's AsyncLLM.
 
 One invocation builds one engine per driver from the same EngineArgs, then
-sends the same workload through each, repetitions interleaved with the order
-rotated each repetition (raw, AsyncLLM, asynckv; AsyncLLM, asynckv, raw; ...),
-waiting before each run until every engine process is idle (``settle``),
-and reports medians: output tokens/s, TTFT (from each request's own submission,
+sends the same workload through each, repetitions interleaved in every order
+of the drivers in turn (``run_order``), each run after a garbage collection
+and after waiting until every engine process is idle (``settle``). A run at N
+streams is a series of bursts of N requests, as many as make it last about
+``--run-seconds`` (``calibrate``, the same count for every driver). It reports
+medians: output tokens/s, TTFT (from each request's own submission,
 and ``ttft_burst`` from the burst's start, one instant for every driver),
 inter-token latency, event-loop lag, main-process CPU per 1,000 output tokens
 and RSS growth during the run. Loop lag, GIL wait and RSS growth come from
@@ -481,6 +483,22 @@ async def settle(limit: float) -> float:
     return time.perf_counter() - began
 
 
+def stray_engines() -> list[int]:
+    """The pids of vLLM engine processes on this machine that this run did not start.
+
+    An engine left behind by an interrupted run keeps polling its queue and
+    takes CPU from every driver of the next one (three such engines used half
+    a core on the 2-core machine). ``bench`` names them before it starts.
+    """
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    found = []
+    for process in psutil.process_iter(["name"]):
+        name = process.info["name"] or ""
+        if name.startswith("VLLM::") and process.pid not in mine:
+            found.append(process.pid)
+    return found
+
+
 def process_cpu() -> dict[int, float]:
     """CPU seconds so far of this process and each of its descendants, by pid."""
     me = psutil.Process()
@@ -704,6 +722,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     settings = engine_settings(args)
     model = settings["model"]
     print(f"building engines for {model} ({args.mode} mode) ...", file=sys.stderr)
+    strays = stray_engines()
+    if strays:
+        print(f"WARNING: vLLM processes not of this run are alive: {strays}", file=sys.stderr)
     engines: Engines | Processes = (
         Processes(settings, args) if args.mode == "separate" else Engines(settings, args)
     )
@@ -711,7 +732,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     if interval_driver(args) is not None:
         drivers.append(interval_driver(args))  # type: ignore[arg-type]
     results: dict[str, Any] = {
-        "settings": vars(args) | {"model": model},
+        "settings": vars(args) | {"model": model, "stray_engines": strays},
         "drivers": drivers,
         "main": {},
     }

@@ -18,7 +18,7 @@ import asyncio
 import os
 import statistics
 
-from bench import Engines, run_order, settle
+from bench import Engines, calibrate, run_order, settle
 
 
 async def measure(args: argparse.Namespace) -> None:
@@ -36,13 +36,16 @@ async def measure(args: argparse.Namespace) -> None:
     try:
         for n in args.concurrency:
             rates: dict[str, list[float]] = {d: [] for d in drivers}
+            bursts = await calibrate(engines, n, engines.args)  # runs as long as bench.py's
             for rep in range(args.reps):
                 for driver in run_order(drivers, rep):
                     # Between runs nothing is in flight, so the threads are on every CPU;
                     # without a frontend the worker leaves them there for the run.
                     placement.frontend = None if driver.endswith("unplaced") else frontend
                     await settle(5.0)
-                    run = await engines.run(driver.removesuffix("_unplaced"), n, probed=False)
+                    run = await engines.run(
+                        driver.removesuffix("_unplaced"), n, probed=False, bursts=bursts
+                    )
                     rates[driver].append(run.output_tokens / run.seconds)
             raw = statistics.median(rates["raw"])
             row = "  ".join(

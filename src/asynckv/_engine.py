@@ -70,7 +70,7 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
     ``keep_off_model_cores`` (default True): where the engine's model workers
     are bound to some of this process's CPUs (vLLM's CPU backend), keep the
     worker thread and vLLM's output thread on the others, which vLLM reserves
-    for the frontend, while 32 or more requests are in flight (and until 8
+    for the frontend, while 16 or more requests are in flight (and until 4
     or fewer are), so that they don't preempt a long model step. The caller's
     event loop is never moved; on a GPU nothing is bound and nothing moves.
     Threads and processes started from the worker thread meanwhile (a

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ("PIN_AT", "UNPIN_AT", "Placement", "frontend_cpus", "model_worker_cpus")
 
-PIN_AT = 32
+PIN_AT = 16
 """Requests in flight from which the worker is kept off the model cores."""
-UNPIN_AT = 8
+UNPIN_AT = 4
 """Requests in flight at or under which it may use every CPU again."""
 
 
@@ -98,8 +98,9 @@ class Placement:
     model worker computing, and any thread placed on its core delays the
     step; with a few requests its steps are short and its core is mostly
     idle between them, while the frontend's core also runs the engine-core
-    process, so the worker is faster left free (measured: 0.94 of raw at one
-    stream when always kept off, benchmarks/NOTES.md, change 11). The gap
+    process, so the worker is faster left free (measured: 0.93-0.96 of the
+    worker left free at one stream, and 1.04-1.05 at 16 streams, when always
+    kept off; benchmarks/NOTES.md, changes 11 and 12). The gap
     between the bounds keeps a load near one of them from moving it every
     step. ``enabled=False`` (``keep_off_model_cores=False``) makes it all do
     nothing.
