@@ -153,7 +153,8 @@ async def test_restart_builds_the_next_engine_with_every_cpu(bound_core: BasePro
     try:
         # Endless: only the aclose below ends them, so the load can't end before a check.
         streams = [engine.generate(f"r{i}", ENDLESS) for i in range(PIN_AT)]
-        await _first_outputs(streams)
+        hundred = engine.generate("hundred", HUNDRED)  # ends whole, restart or not
+        await _first_outputs([*streams, hundred])
         assert _worker_cpus(engine) == OURS - {min(OURS)}
         first.fail_with = OSError("device lost")
 
@@ -162,6 +163,9 @@ async def test_restart_builds_the_next_engine_with_every_cpu(bound_core: BasePro
                 await anext(streams[0])
 
         await asyncio.wait_for(until_restarted(), 20)
+        final = await asyncio.wait_for(hundred, 20)
+        assert len(final.outputs[0].token_ids) == 100
+        assert engine.stats().restarts == 1
         assert seen == [OURS]
         # A new request's first output comes from a step of the next engine with every
         # continued stream still in flight: kept off the bound CPU again.
