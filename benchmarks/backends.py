@@ -30,9 +30,9 @@ import trio
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
-from asynckv._loops import current
-from asynckv._sink import _Sink
-from asynckv._stream import RequestStream
+from asynckv._bridge._loops import current
+from asynckv._loop._sink import _Sink
+from asynckv._loop._stream import RequestStream
 
 N = 20_000
 REPEATS = 15

@@ -43,7 +43,7 @@ from bench import DRIVERS, Engines, Workload, process_cpu, run_order, settle
 from vllm import LLMEngine
 from vllm.inputs import TokensPrompt
 
-from asynckv import _placement as placement
+from asynckv._worker import _placement as placement
 
 
 def owners(engines: Engines) -> dict[int, str]:

@@ -9,7 +9,7 @@ from typing import Any, get_args
 import pytest
 
 from asynckv import EngineHeldError
-from asynckv._control import (
+from asynckv._worker._control import (
     Abort,
     AbortAll,
     Admit,

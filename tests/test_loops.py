@@ -20,7 +20,7 @@ import trio
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, RequestStream
-from asynckv._loops import Loop, current
+from asynckv._bridge._loops import Loop, current
 from support import unfinished
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -23,7 +23,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, RequestStream
-from asynckv._placement import PIN_AT, UNPIN_AT, frontend_cpus
+from asynckv._worker._placement import PIN_AT, UNPIN_AT, frontend_cpus
 from support import FakeEngine
 
 pytestmark = pytest.mark.skipif(

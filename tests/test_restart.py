@@ -26,9 +26,9 @@ from asynckv import (
     RequestNotResumedError,
     RestartPolicy,
 )
-from asynckv._commands import Add
-from asynckv._restart import Deaths
-from asynckv._resume import Progress
+from asynckv._bridge._commands import Add
+from asynckv._worker._life import Deaths
+from asynckv._worker._resume import Progress
 from support import FakeEngine
 
 TWENTY = SamplingParams(max_tokens=20)

@@ -19,9 +19,9 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine
-from asynckv._loops import current
-from asynckv._pace import Pacer
-from asynckv._sink import _Sink
+from asynckv._bridge._loops import current
+from asynckv._loop._pace import Pacer
+from asynckv._loop._sink import _Sink
 from support import unfinished
 
 HOUR = 3600.0

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from ._api import AsyncEngineAPI
-from ._client import AsyncEngineClient
-from ._engine import AsyncEngine
 from ._errors import (
     AsyncKVError,
     EngineClosedError,
@@ -16,12 +14,14 @@ from ._errors import (
     RequestNotResumedError,
 )
 from ._log import configure_logging
-from ._metrics import RequestMetrics
-from ._pool import AsyncEnginePool
-from ._restart import RestartPolicy
+from ._loop._engine import AsyncEngine
+from ._loop._metrics import RequestMetrics
+from ._loop._stream import RequestStream
+from ._pool._pool import AsyncEnginePool
+from ._serve._client import AsyncEngineClient
 from ._stats import EngineStats
-from ._steps import StepRecord, StepStream
-from ._stream import RequestStream
+from ._types import RestartPolicy
+from ._worker._steps import StepRecord, StepStream
 
 __all__ = (
     "AsyncEngine",

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
 
-    from ._control import PauseMode
+    from ._loop._stream import RequestStream
     from ._stats import EngineStats
-    from ._stream import RequestStream
+    from ._types import PauseMode
 
 __all__ = ("AsyncEngineAPI",)
 

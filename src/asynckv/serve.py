@@ -12,7 +12,7 @@ as ``demo``, with a chat template, so ``/v1/chat/completions`` works offline.
 
 from __future__ import annotations
 
-from ._server import build_app, main, parse_args
+from ._serve._server import build_app, main, parse_args
 
 __all__ = ("build_app", "main", "parse_args")
 

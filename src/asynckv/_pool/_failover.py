@@ -1,0 +1,75 @@
+"""Pool failover: the requests of a member that died continue on a live member.
+
+``install`` runs once, on the thread that makes the pool. ``_fail_over``
+runs on the dying member's worker thread, from its restart path (so only
+for members with a ``RestartPolicy``), after the engine died and before it
+is rebuilt: it routes each unfinished request to a live member under the
+pool's lock, hands it over through that member's inbox (an ``Adopt``
+command, which continues it there exactly as a restart would), and returns
+what no member could take, which the dying member resumes itself once it is
+back. The member then restarts in the background and takes new requests
+again once it is up (the router skips a restarting member while another can
+serve).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .._bridge._commands import Adopt
+from .._errors import EngineClosedError, EngineDeadError
+from .._log import emit
+
+if TYPE_CHECKING:
+    from .._loop._engine import AsyncEngine
+    from .._worker._registry import Route
+    from .._worker._resume import Decoded
+    from ._affinity import Router
+
+__all__ = ("install",)
+
+
+def install(engines: Sequence[AsyncEngine], lock: threading.Lock, router: Router) -> None:
+    """Make each member's restart hand its requests to the others first."""
+    if len(engines) < 2:
+        return
+    for index, engine in enumerate(engines):
+        engine._worker.handoff = functools.partial(_fail_over, engines, lock, router, index)
+
+
+def _fail_over(
+    engines: Sequence[AsyncEngine],
+    lock: threading.Lock,
+    router: Router,
+    index: int,
+    routes: list[tuple[str, Route]],
+    detokenizers: Decoded,
+    cause: BaseException,
+) -> list[tuple[str, Route]]:
+    kept: list[tuple[str, Route]] = []
+    with lock:
+        target = router.choose((), {index})
+        if target is None or engines[target].restarting:
+            return routes  # nobody serving: they wait for this member's own restart
+        adopter = engines[target]._worker
+        forwarded = engines[index]._worker.forwarded
+        for request_id, route in routes:
+            try:
+                adopter.inbox.put(Adopt(request_id, route, detokenizers, cause))
+            except (EngineDeadError, EngineClosedError):
+                kept.append((request_id, route))
+                continue
+            forwarded[request_id] = adopter.inbox
+            router.move(request_id, index, target)
+    emit(
+        logging.WARNING,
+        "requests failed over",
+        engine=index,
+        to_engine=target,
+        requests=len(routes) - len(kept),
+    )
+    return kept

@@ -1,0 +1,264 @@
+"""AsyncEnginePool: several engines behind one ``generate`` / ``abort`` / reset API.
+
+A pool is for data parallelism without a shared executor: each ``AsyncEngine``
+is a whole model replica (one per GPU, say), with its own worker thread and
+prefix cache. The pool only routes: it picks an engine per request and then
+gets out of the way, so a stream from the pool is that engine's own stream.
+
+Everything here runs on the caller's thread, usually an event loop (asyncio
+or trio; the calls to every engine at once go through ``_gather``). The
+routing state (who serves which request, which engine saw which prefix) sits
+behind one ``threading.Lock`` held only for bookkeeping and a non-blocking
+``engine.generate``, so a pool serves any number of loops, as an engine does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .._errors import EngineClosedError, EngineDeadError
+from .._loop import _checks
+from .._loop._engine import AsyncEngine
+from .._types import RestartPolicy
+from . import _failover
+from ._affinity import PrefixIndex, Router
+from ._gather import gather, settle
+from ._pool_control import PoolControl
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from vllm import EngineArgs
+    from vllm.sampling_params import SamplingParams
+
+    from .._loop._stream import RequestStream
+
+__all__ = ("AsyncEnginePool",)
+
+
+class AsyncEnginePool(PoolControl):
+    """Several ``AsyncEngine``s behind the API of one, routing each request to one of them.
+
+    **Routing.** A request goes to the live engine that served the longest
+    prefix of its prompt before, so that engine's prefix cache can hit, unless
+    that engine's load exceeds the least-loaded live engine's by more than
+    ``affinity_slack``; then, and when no prefix matches, it goes to the
+    least-loaded live engine, ties broken round-robin. An engine's load is the
+    number of requests the pool has in flight on it, or its own
+    ``stats().requests_in_flight + requests_waiting`` if larger (that one also
+    counts requests submitted to the engine directly). Prefixes are compared
+    in whole blocks: ``block_tokens`` tokens of a ``TokensPrompt``, or
+    ``block_chars`` characters of a text prompt (no tokenizing on the loop;
+    about four characters make a token). A different LoRA adapter or
+    ``cache_salt`` never matches, as in vLLM's cache. The pool remembers the
+    latest ``max_prefixes`` blocks, least recently used forgotten first.
+
+    **Failures.** An engine that dies (``engine.errored``) fails its own
+    streams with ``EngineDeadError``, as it would alone; the pool sends no new
+    request to it and keeps serving from the others. Only when every engine
+    is dead do ``generate`` and ``reset_prefix_cache`` raise ``EngineDeadError``.
+
+    With a ``RestartPolicy`` on the engines, a member that dies hands its
+    unfinished requests to the least loaded live member, where each resumes
+    from its last token (as a restart resumes it; ``pool.abort`` and a
+    stream's own abort follow it there), then restarts in the background; it
+    takes no new request while it rebuilds, if another can serve, and rejoins
+    once it is up. With no live member to take them, they resume on it.
+
+    The pool owns its engines: ``start()`` starts them all, ``aclose()`` closes
+    them all. Build one with ``AsyncEnginePool.from_engine_args([...])`` or
+    around engines you made, ``AsyncEnginePool([engine, ...])``. Reset, pause,
+    ``stats`` and ``check_health`` come from ``PoolControl``. Step telemetry is
+    per engine: ``pool.engines[i].steps()``; ``generate(..., stream_interval=s)``
+    passes through to the engine that takes the request.
+    """
+
+    def __init__(
+        self,
+        engines: Iterable[AsyncEngine],
+        *,
+        affinity_slack: int = 8,
+        block_tokens: int = 16,
+        block_chars: int = 64,
+        max_prefixes: int = 65_536,
+    ) -> None:
+        self._engines = tuple(engines)
+        if not self._engines:
+            raise ValueError("a pool needs at least one engine")
+        if affinity_slack < 0:
+            raise ValueError("affinity_slack must be >= 0")
+        self._lock = threading.Lock()
+        self._router = Router(
+            self._engines, affinity_slack, PrefixIndex(block_tokens, block_chars, max_prefixes)
+        )
+        self._closed = False
+        _failover.install(self._engines, self._lock, self._router)
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        engine_args: Iterable[EngineArgs],
+        *,
+        affinity_slack: int = 8,
+        block_tokens: int = 16,
+        block_chars: int = 64,
+        max_prefixes: int = 65_536,
+        freeze_gc: bool = True,
+        restart: RestartPolicy | None = None,
+    ) -> AsyncEnginePool:
+        """Make a pool of one engine per ``EngineArgs``; ``start()`` builds them all.
+
+        Does no heavy work. ``freeze_gc`` and ``restart`` are ``AsyncEngine``'s;
+        with ``restart``, a member that dies hands its unfinished requests to a
+        live member, where they resume, and restarts in the background (see
+        the class). The other keyword arguments are those of ``AsyncEnginePool``.
+        """
+        return cls(
+            [
+                AsyncEngine.from_engine_args(args, freeze_gc=freeze_gc, restart=restart)
+                for args in engine_args
+            ],
+            affinity_slack=affinity_slack,
+            block_tokens=block_tokens,
+            block_chars=block_chars,
+            max_prefixes=max_prefixes,
+        )
+
+    @property
+    def engines(self) -> tuple[AsyncEngine, ...]:
+        """The engines, in the order given; ``engine_of`` indexes into this."""
+        return self._engines
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every engine, concurrently, and wait until all are ready.
+
+        If any engine fails to start, every engine is closed once all have
+        settled, and the first failure is raised: nothing is left running.
+        A no-op for engines already started.
+        """
+        self._check_open()
+        try:
+            results = await settle(engine.start for engine in self._engines)
+        except BaseException:
+            await self.aclose()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.aclose()
+            raise errors[0]
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Close every engine, concurrently (see ``AsyncEngine.aclose``). Idempotent.
+
+        Shielded from trio and anyio cancel scopes, as ``AsyncEngine.aclose``.
+        """
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await gather(functools.partial(engine.aclose, timeout) for engine in self._engines)
+
+    async def __aenter__(self) -> AsyncEnginePool:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError()
+
+    # -- requests ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> RequestStream:
+        """Route a request to an engine (see the class docstring), submit it, return its stream.
+
+        Everything ``AsyncEngine.generate`` promises holds: the request is in
+        that engine's inbox on return, the stream belongs to the running loop,
+        and a bad request raises from the stream. ``engine_of(request_id)``
+        tells which engine took it.
+
+        Raises:
+            ValueError: ``request_id`` is already in flight in the pool, on any
+                engine (raised here, unlike a single engine, which raises it
+                from the stream, because the pool knows all its ids).
+            TypeError: ``sampling_params`` or ``request_id`` has the wrong type.
+            EngineDeadError: every engine is dead.
+            EngineClosedError, EngineNotStartedError: at once.
+        """
+        rid = _checks.request_id(request_id)
+        sampling_params = _checks.sampling_params(sampling_params)
+        keys = self._router.prefixes.keys(prompt, kwargs)
+        with self._lock:
+            self._check_open()
+            if self._router.owner(rid) is not None:
+                raise ValueError(f"request id {rid!r} is already in flight in the pool")
+            refused: set[int] = set()
+            while True:
+                index = self._router.choose(keys, refused)
+                if index is None:
+                    raise self._all_dead()
+                try:
+                    stream = self._engines[index].generate(prompt, sampling_params, rid, **kwargs)
+                except (EngineDeadError, EngineClosedError):
+                    # It died (or was closed on its own) since the check: nothing
+                    # was submitted, so another engine can take the request.
+                    refused.add(index)
+                    continue
+                break
+            self._router.track(index, rid, stream, keys)
+        return stream
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests on the engines that serve them; return once all are out.
+
+        As ``AsyncEngine.abort``: each stream ends with a final "abort" output.
+        Ids the pool has not in flight (unknown, finished, or submitted to an
+        engine directly) are ignored, and so are engines that died meanwhile
+        (their streams have already failed).
+        """
+        ids = _checks.request_ids(request_id)
+        self._check_open()
+        by_engine: dict[int, list[str]] = {}
+        with self._lock:
+            for rid in ids:
+                index = self._router.owner(rid)
+                if index is not None:
+                    by_engine.setdefault(index, []).append(rid)
+        await gather(
+            functools.partial(self._abort_on, self._engines[i], group)
+            for i, group in by_engine.items()
+        )
+
+    @staticmethod
+    async def _abort_on(engine: AsyncEngine, ids: list[str]) -> None:
+        # A dead or closed engine has already ended its streams with that error.
+        with contextlib.suppress(EngineDeadError, EngineClosedError):
+            await engine.abort(ids)
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The index in ``engines`` of the engine serving ``request_id``.
+
+        None unless the request was submitted through the pool and its stream
+        has not ended yet.
+        """
+        with self._lock:
+            return self._router.owner(request_id)

@@ -1,0 +1,107 @@
+"""The worker's counters, and the snapshot of them that ``stats()`` reads.
+
+``Counters`` is written by the worker thread only; any thread reads it
+through ``snapshot``, without a lock: each field is one word, so a snapshot
+never blocks, but its fields may come from two adjacent steps.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .._bridge._loops import Loop
+    from ._registry import Life
+
+__all__ = ("Counters", "Snapshot")
+
+
+class Snapshot(NamedTuple):
+    """The worker's counters and states at one moment."""
+
+    life: Life
+    dead_error: BaseException | None
+    steps: int
+    steps_per_second: float
+    last_step_seconds: float
+    last_step_end: float | None
+    busy_since: float
+    in_step_since: float | None
+    in_flight: int
+    waiting: int
+    admission_paused: bool
+    held: bool
+    commands_queued: int
+    outputs_delivered: int
+    requests_finished: int
+    requests_aborted: int
+    loops_served: int
+    restarts: int
+
+
+@dataclass(slots=True)
+class Counters:
+    """What the worker counts as it works (worker thread only)."""
+
+    steps: int = 0
+    outputs_delivered: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    last_step_seconds: float = 0.0
+    step_seconds_avg: float = 0.0
+    last_step_end: float | None = None
+    busy_since: float = 0.0
+    """When the worker last went from no request to some."""
+    in_step_since: float | None = None
+    """When the ``step()`` now running began."""
+    restarts: int = 0
+    """Restarts of a dead engine completed (``RestartPolicy``)."""
+    loops: weakref.WeakSet[Loop] = field(default_factory=weakref.WeakSet)
+
+    def count_step(self, began: float) -> None:
+        """Count one step that began at ``began`` (``perf_counter``) and just ended."""
+        now = time.perf_counter()
+        took = self.last_step_seconds = now - began
+        # Interval between step ends, so the rate includes the worker's own overhead.
+        interval = took if self.last_step_end is None else now - self.last_step_end
+        avg = self.step_seconds_avg
+        self.step_seconds_avg = interval if avg == 0.0 else 0.9 * avg + 0.1 * interval
+        self.last_step_end = now
+        self.steps += 1
+
+    def snapshot(
+        self,
+        *,
+        life: Life,
+        dead_error: BaseException | None,
+        in_flight: int,
+        waiting: int,
+        admission_paused: bool,
+        held: bool,
+        commands_queued: int,
+    ) -> Snapshot:
+        """These counters with the registry's states (any thread)."""
+        avg = self.step_seconds_avg
+        return Snapshot(
+            life=life,
+            dead_error=dead_error,
+            steps=self.steps,
+            steps_per_second=1.0 / avg if avg else 0.0,
+            last_step_seconds=self.last_step_seconds,
+            last_step_end=self.last_step_end,
+            busy_since=self.busy_since,
+            in_step_since=self.in_step_since,
+            in_flight=in_flight,
+            waiting=waiting,
+            admission_paused=admission_paused,
+            held=held,
+            commands_queued=commands_queued,
+            outputs_delivered=self.outputs_delivered,
+            requests_finished=self.requests_finished,
+            requests_aborted=self.requests_aborted,
+            loops_served=len(self.loops),
+            restarts=self.restarts,
+        )

@@ -1,0 +1,128 @@
+"""The worker's restart path: from a dead engine to a new one serving the same requests.
+
+Runs on the worker thread only, between the death of one engine and the
+first pass on the next, while the inbox stays open (commands wait there).
+``Recovery`` asks the policy's bookkeeping (``_restart.py``) whether to
+restart, reads what the dead engine decoded, rebuilds, and re-adds every
+unfinished request as its continuation (``_resume.py``). It never ends the
+registry itself: it returns why the engine is dead for good, and the worker
+dies with that.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .._bridge._commands import Outbox
+from .._errors import RequestNotResumedError
+from .._log import emit
+from .._types import RestartPolicy
+from .._vllm import EngineLike, detokenizers, pause_core_scheduler, shutdown_core
+from ._life import Deaths
+from ._registry import Life
+
+if TYPE_CHECKING:
+    from ._counters import Counters
+    from ._registry import Registry
+    from ._resume import Decoded
+
+__all__ = ("Recovery",)
+
+
+class Recovery:
+    """Restarts one worker's engine within a ``RestartPolicy`` (worker thread only)."""
+
+    def __init__(
+        self,
+        policy: RestartPolicy,
+        rebuild: Callable[[], EngineLike],
+        registry: Registry,
+        counters: Counters,
+    ) -> None:
+        self.deaths = Deaths(policy)
+        self._rebuild = rebuild
+        self._registry = registry
+        self._counters = counters
+        self.cause: BaseException | None = None
+        """While restarting: the death that began it (read by ``check_health``)."""
+        self._down = 0.0
+
+    def died(self, cause: BaseException) -> tuple[BaseException, ...] | None:
+        """Note a death; None to restart, else every death's cause (beyond the policy)."""
+        self._down = time.monotonic()
+        if not self.deaths.record(cause, self._down):
+            return tuple(self.deaths.causes)
+        self.cause = cause
+        self._registry.set_life(Life.RESTARTING)
+        emit(
+            logging.WARNING,
+            "engine died, restarting",
+            error=_name(cause),
+            restart=self.deaths.restarts,
+            requests=len(self._registry.routes),
+        )
+        return None
+
+    def decoded(self, engine: EngineLike) -> Decoded:
+        """The dead engine's detokenizers of each request (taken before its shutdown)."""
+        decoded: Decoded = {}
+        for request_id, route in list(self._registry.routes.items()):
+            for engine_id in route.engine_ids(request_id):
+                decoded[engine_id] = detokenizers(engine, engine_id)
+        return decoded
+
+    def rebuilt(self, decoded: Decoded) -> EngineLike | tuple[BaseException, ...] | None:
+        """Build the engine again and re-add every unfinished request.
+
+        Returns the new engine; or every death's cause, the failure last, if
+        the rebuild (or a re-add) failed; or None if the worker was closed meanwhile.
+        """
+        cause = self.cause
+        try:
+            engine = self._rebuild()
+        except BaseException as exc:
+            return (*self.deaths.causes, exc)
+        if self._registry.ended:  # closed while rebuilding
+            shutdown_core(engine)
+            return None
+        registry, outbox, resumed = self._registry, Outbox(), 0
+        try:
+            if registry.control.core_paused:  # a "keep" pause holds on the new core too
+                pause_core_scheduler(engine, False)
+            for request_id, route in list(registry.routes.items()):
+                assert route.progress is not None
+                try:
+                    readmissions = route.progress.readmissions(decoded)
+                except RequestNotResumedError as refused:
+                    refused.__cause__ = cause
+                    registry.pop_route(request_id)
+                    outbox.post(route.loop, route.sink.fail, refused)
+                    continue
+                for item in readmissions:
+                    engine.add_request(item.engine_id, item.prompt, item.params, **item.kwargs)
+                registry.readmitted(request_id, route)
+                outbox.post(route.loop, route.sink.resumed)
+                resumed += 1
+        except BaseException as exc:
+            shutdown_core(engine)
+            outbox.flush()
+            return (*self.deaths.causes, exc)
+        self._counters.restarts += 1
+        self.cause = None
+        emit(
+            logging.WARNING,
+            "engine restarted",
+            cause=_name(cause),
+            downtime=round(time.monotonic() - self._down, 3),
+            requests_resumed=resumed,
+            restarts=self._counters.restarts,
+        )
+        outbox.flush()
+        return engine
+
+
+def _name(cause: BaseException | None) -> str:
+    return "" if cause is None else f"{type(cause).__name__}: {cause}"

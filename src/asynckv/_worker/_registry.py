@@ -1,0 +1,243 @@
+"""The registry: everything that waits for the worker, behind its one lock.
+
+The worker thread changes it as it works; ``die`` (the worker or the watchdog
+thread) and ``close`` (the closing thread) end it from elsewhere and fail
+everything it holds. The lock is taken only in this module's methods, each
+of which does bookkeeping alone (no engine call, no answer sent), so it is
+held for microseconds. Whatever an ``end`` can't see any more (a command the
+worker was applying when the end came) is reported back to the worker by the
+method it calls, which then answers it with ``error``.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._control import Control, Effect
+
+if TYPE_CHECKING:
+    from .._bridge._commands import Add, Command, Outbox, Reply
+    from .._bridge._inbox import Inbox
+    from .._bridge._loops import Loop
+    from .._loop._sink import _Sink
+    from ._resume import Progress
+
+__all__ = ("Ended", "Life", "Registry", "Route")
+
+
+class Life(enum.Enum):
+    """The worker's lifecycle: NEW -> STARTING -> RUNNING -> DEAD or CLOSED (DEAD -> CLOSED).
+
+    With a ``RestartPolicy``, RUNNING -> RESTARTING -> RUNNING while a dead
+    engine is rebuilt (RESTARTING -> DEAD or CLOSED too).
+    """
+
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    DEAD = "dead"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False, slots=True)
+class Route:
+    """Where one admitted request's outputs go."""
+
+    sink: _Sink
+    loop: Loop
+    progress: Progress | None = None
+    """What was sent, to resume it after a restart (only with a ``RestartPolicy``)."""
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        """The ids of the engine requests that carry it now."""
+        return [request_id] if self.progress is None else list(self.progress.engine_ids)
+
+
+@dataclass(slots=True)
+class Ended:
+    """What an ``end`` took: everything that must now be answered with ``error``."""
+
+    error: BaseException
+    commands: list[Command]
+    sinks: list[_Sink]
+    replies: list[Reply]
+
+    def fail(self, outbox: Outbox) -> None:
+        """Post the failure of everything taken (from any thread)."""
+        for command in self.commands:
+            command.fail(outbox, self.error)
+        for sink in self.sinks:
+            outbox.post(sink.loop, sink.fail, self.error)
+        for reply in self.replies:
+            reply.fail(outbox, self.error)
+
+
+if TYPE_CHECKING:
+    ControlState = Control[Add, Reply]
+    Transition = Callable[[ControlState], tuple[ControlState, list[Effect[Add, Reply]]]]
+
+
+class Registry:
+    """The routes, the admission/hold/pause state and the lifecycle of one worker.
+
+    ``control``, ``routes`` and ``life`` may be read from any thread without
+    the lock (a reference or a length: one word); every change goes through
+    a method here, under the lock.
+    """
+
+    def __init__(self, inbox: Inbox[Command]) -> None:
+        self._lock = threading.Lock()
+        self._inbox = inbox
+        self.life = Life.NEW
+        self.control: ControlState = Control()
+        self.routes: dict[str, Route] = {}
+        self.aliases: dict[str, Route] = {}
+        """Engine ids of resumed completions (``n > 1``) -> their request's route."""
+        self.stopped: list[str] = []
+        """Engine requests ended by a stop string across a resume's join (to abort)."""
+        self.error: BaseException | None = None
+        """Why it ended: the ``EngineClosedError`` or ``EngineDeadError`` (None while alive)."""
+        self.dead_error: BaseException | None = None
+        """The ``EngineDeadError`` if the engine died, even once closed after."""
+
+    @property
+    def ended(self) -> bool:
+        """Whether the engine is dead or closed."""
+        return self.error is not None
+
+    def set_life(self, life: Life) -> None:
+        """Move NEW -> STARTING -> RUNNING (<-> RESTARTING); ignored once ended (worker thread)."""
+        with self._lock:
+            if self.error is None:
+                self.life = life
+
+    def set_core(self, core: bool) -> None:
+        """Record, once the engine is built, whether it has an engine-core process."""
+        with self._lock:
+            self.control = Control(core=core)
+
+    def change(self, transition: Transition) -> list[Effect[Add, Reply]] | BaseException:
+        """Make a control transition and return its effects, or the error if ended."""
+        with self._lock:
+            if self.error is not None:
+                return self.error
+            self.control, effects = transition(self.control)
+            return effects
+
+    def add_route(self, request_id: str, route: Route) -> BaseException | None:
+        """Route an admitted request's outputs; returns the error instead if ended."""
+        with self._lock:
+            if self.error is None:
+                self.routes[request_id] = route
+            return self.error
+
+    def pop_route(self, request_id: str) -> Route | None:
+        """Stop routing a request (aborted); None if unknown or finished."""
+        with self._lock:
+            route = self.routes.pop(request_id, None)
+            if route is not None and route.progress is not None:
+                self._unalias(route.progress)
+            return route
+
+    def _unalias(self, progress: Progress) -> None:
+        if self.aliases:
+            for engine_id in progress.engine_ids:
+                self.aliases.pop(engine_id, None)
+
+    def take_routes(self) -> list[tuple[str, Route]]:
+        """Stop routing every request and return them (a pool member hands them over)."""
+        with self._lock:
+            taken = list(self.routes.items())
+            self.routes, self.aliases = {}, {}
+            return taken
+
+    def put_routes(self, routes: list[tuple[str, Route]]) -> None:
+        """Route again what ``take_routes`` took and nobody adopted."""
+        with self._lock:
+            for request_id, route in routes:
+                self.routes[request_id] = route
+
+    def readmitted(self, request_id: str, route: Route) -> None:
+        """Route a resumed request's new engine ids (worker thread, during a restart)."""
+        assert route.progress is not None
+        with self._lock:
+            for engine_id in route.progress.engine_ids:
+                if engine_id != request_id:
+                    self.aliases[engine_id] = route
+
+    def dispatch(self, outputs: Iterable[Any], outbox: Outbox) -> tuple[int, int]:
+        """Post each output to its stream; return (delivered, finished)."""
+        delivered = finished = 0
+        # Usually every stream is on one loop: its list of pushes is looked up once.
+        last: Loop | None = None
+        pushes: list[tuple[_Sink, Any]] = []
+        with self._lock:
+            routes = self.routes
+            for out in outputs:
+                route = routes.get(out.request_id)
+                if route is None:
+                    route = self.aliases.get(out.request_id) if self.aliases else None
+                    if route is None:
+                        continue  # aborted since, or not ours
+                if route.progress is not None:
+                    progress = route.progress
+                    out = progress.see(out)
+                    if progress.stopped:
+                        self.stopped += progress.stopped
+                        progress.stopped = []
+                    if out is None:
+                        continue
+                    if out.finished:
+                        self._unalias(progress)
+                if route.loop is not last:
+                    last = route.loop
+                    pushes = outbox.pushes(last)
+                pushes.append((route.sink, out))
+                delivered += 1
+                if out.finished:
+                    del routes[out.request_id]
+                    finished += 1
+        return delivered, finished
+
+    def forget(self, loop: Loop) -> list[str]:
+        """Drop a closed loop's routes and parked requests; return the ids to abort."""
+        with self._lock:
+            ids = [rid for rid, route in self.routes.items() if route.loop is loop]
+            engine_ids = []
+            for rid in ids:
+                route = self.routes.pop(rid)
+                engine_ids += route.engine_ids(rid)
+                if route.progress is not None:
+                    self._unalias(route.progress)
+            self.control = self.control.forget(lambda add: add.sink.loop is loop)
+        return engine_ids
+
+    def end(self, life: Life, error: BaseException) -> Ended | None:
+        """Die or close: refuse every later command and take everything that waits.
+
+        Returns None if already ended that way (idempotent); a close after a
+        death only records the close.
+        """
+        with self._lock:
+            if self.life is Life.CLOSED or (self.life is Life.DEAD and life is Life.DEAD):
+                return None
+            first = self.error is None
+            self.life = life
+            if life is Life.DEAD:
+                self.dead_error = error
+            if not first:
+                return Ended(error, [], [], [])
+            self.error = error
+            commands = list(self._inbox.close(error))
+            parked, replies = self.control.waiting()
+            sinks = [route.sink for route in self.routes.values()]
+            sinks += [add.sink for add in parked]
+            self.routes = {}
+            self.aliases = {}
+            self.control = Control(core=self.control.core)
+            return Ended(error, commands, sinks, replies)
