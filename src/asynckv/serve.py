@@ -7,7 +7,8 @@ Takes every ``vllm serve`` flag (parsed by vLLM's own parser) and serves every
 
 Without a model it serves asynckv's demo model (``asynckv.testing.demo_model``)
 as ``demo``, with a chat template, so ``/v1/chat/completions`` works offline.
-``--host`` defaults to 127.0.0.1. See docs/server.md.
+``--host`` defaults to 127.0.0.1. See docs/server.md. ``main`` runs on the main
+thread, which it gives to the server's event loop until the server stops.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Instead this module builds a deliberately tiny (about 0.5M parameter)
 LlamaForCausalLM and a byte-level BPE tokenizer trained on a few KB of public
 domain English shipped with the package.  The result is a normal Hugging Face
 checkpoint directory that ``vllm.EngineArgs(model=str(path))`` loads on the CPU
-backend.
+backend. Both functions run on the calling thread and start none of their own.
 
 * ``tiny_model()`` has random weights and builds in about a second.  Its text
   is gibberish, but greedy decoding depends on the prompt, which is all that
