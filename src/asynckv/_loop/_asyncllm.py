@@ -1,203 +1,244 @@
-"""AsyncLLM's names and shapes on ``AsyncEngine``: the methods the two share.
+"""AsyncLLM's names and shapes on ``AsyncEngine``: the methods the two share, and the build record.
 
 Code written for vLLM's ``AsyncLLM`` calls these; each has ``AsyncLLM``'s
-signature and return type, sync where vLLM's is sync. Like the rest of
-``AsyncEngine`` they run on the caller's thread, usually an event loop:
+signature and return type, sync where vLLM's is sync. They run on the
+caller's thread, usually an event loop, and depend on their host
+(``AsyncEngine``) for two things only, which it overrides:
 
-* every call that does work on the ``LLMEngine`` goes through
-  ``run_on_engine``, so the worker thread applies it between two steps, in
-  FIFO order with everything else the loops sent;
-* the properties (``vllm_config``, ``model_config``, ``renderer``,
-  ``input_processor``, ``tokenizer``) read only what the engine set when it
-  was built and never changes after, so any thread may read them; they are
-  in ``_build_time.py``.
+* ``run_on_engine``: every call that does work on the ``LLMEngine`` goes
+  through it, so the worker thread applies it between two steps, in FIFO
+  order with everything else the loops sent, and answers on the caller's
+  loop. No step runs meanwhile, so none of them may take long. Cancelling
+  the caller's await does not undo a call the worker has already taken;
+* ``_build_time``: what the engine set when it was built (``BuildTime``),
+  which the properties (``vllm_config``, ``model_config``, ``renderer``,
+  ``input_processor``, ``tokenizer``) and ``get_tokenizer`` read. It never
+  changes after the build, so any thread may read them: vLLM's own server
+  reads the renderer from its loop while the worker runs, as it does with
+  ``AsyncLLM``, whose renderer tokenizes on its own thread pool.
+
+``BuildRecord.record`` runs on the worker thread, right after the build and
+before the worker answers ``start()`` (or on the caller's thread, at once,
+for an engine built by the caller).
 
 Where asynckv's semantics differ from ``AsyncLLM``'s, the docstring says how.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from vllm.usage.usage_lib import UsageContext
-
-from ._build_time import BuildTimeAttributes
-from ._engine_calls import EngineCalls
-from ._requests import engine_options, pump
+from .._errors import EngineClosedError, EngineDeadError, EngineNotStartedError
+from .._types import PauseMode
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.lora.request import LoRARequest
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine.output_processor import RequestOutputCollector
-    from vllm.v1.metrics.loggers import StatLoggerFactory
+    from vllm.renderers import BaseRenderer
+    from vllm.v1.engine.input_processor import InputProcessor
 
-    from .._worker._worker import Worker
-    from ._stream import RequestStream
-
-__all__ = ("AsyncLLMMethods",)
+__all__ = ("AsyncLLMMethods", "BuildRecord", "BuildTime")
 
 R = TypeVar("R")
 
 
-class AsyncLLMMethods(BuildTimeAttributes, EngineCalls):
-    """The part of ``AsyncEngine`` that mirrors ``AsyncLLM``; see the module docstring.
+@dataclass(frozen=True, slots=True)
+class BuildTime:
+    """What the ``LLMEngine`` set when it was built: it never changes after."""
 
-    The build-time properties (``vllm_config``, ``renderer``, ...) come from
-    ``BuildTimeAttributes``; the calls that the worker applies between two
-    steps (LoRA, sleep, the cache resets, profiling, ...) from ``EngineCalls``.
+    vllm_config: VllmConfig
+    renderer: BaseRenderer
+    input_processor: InputProcessor
+
+
+class BuildRecord:
+    """Keeps what the ``LLMEngine`` set at build time, for the loop side to read.
+
+    Filled once, on the worker thread, right after the build and before the
+    worker answers ``start()`` (or at once for an engine built by the caller);
+    read on the loop only after that answer, so the loop sees it complete. It
+    holds the engine's configs and renderer, not the engine itself.
     """
 
-    if TYPE_CHECKING:
-        _worker: Worker
-        _closed: bool
+    __slots__ = ("built",)
 
-        @property
-        def errored(self) -> bool: ...
+    def __init__(self, engine: LLMEngine | None = None) -> None:
+        self.built: BuildTime | None = None
+        if engine is not None:
+            self.record(engine)
 
-        async def run_on_engine(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R: ...
+    def record(self, engine: LLMEngine) -> None:
+        """Take the build-time attributes of ``engine`` (on the thread that built it)."""
+        try:
+            self.built = BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
+        except AttributeError:
+            self.built = None  # a stand-in for LLMEngine (a test's fake engine) has none
 
-        @classmethod
-        def _unstarted(
-            cls, build: Callable[[], LLMEngine], freeze_gc: bool, stream_interval: float = 0.0
-        ) -> Self: ...
+    def wrap(self, build: Callable[[], LLMEngine]) -> Callable[[], LLMEngine]:
+        """``build``, recording what it built here before returning it."""
 
-        def generate(
-            self,
-            prompt: Any,
-            sampling_params: SamplingParams | None = None,
-            request_id: str | None = None,
-            **kwargs: Any,
-        ) -> RequestStream: ...
+        def build_and_record() -> LLMEngine:
+            engine = build()
+            self.record(engine)
+            return engine
 
-    @classmethod
-    def from_vllm_config(
-        cls,
-        vllm_config: VllmConfig,
-        start_engine_loop: bool = True,
-        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
-        stat_loggers: list[StatLoggerFactory] | None = None,
-        enable_log_requests: bool = False,
-        aggregate_engine_logging: bool = False,
-        disable_log_stats: bool = False,
-        client_addresses: dict[str, Any] | None = None,
-        client_count: int = 1,
-        client_index: int = 0,
-        *,
-        freeze_gc: bool = True,
-        stream_interval: float = 0.0,
-    ) -> Self:
-        """Make an engine that ``start()`` will build from ``vllm_config``, as ``AsyncLLM``'s.
+        return build_and_record
 
-        The engine is built on the worker thread by ``start()``, in vLLM's
-        multiprocess mode unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, with
-        stats on unless ``disable_log_stats`` (they feed vLLM's stat loggers:
-        its log line, its Prometheus metrics and any ``stat_loggers``).
-        ``enable_log_requests`` changes nothing: asynckv logs every request at
-        DEBUG through its own logger (``configure_logging``).
-        ``start_engine_loop``: as in ``from_engine_args``.
 
-        Raises:
-            NotImplementedError: ``client_addresses``, ``client_count`` or
-                ``client_index`` given: an engine started elsewhere, which
-                ``LLMEngine`` can't attach to.
-        """
-        if client_addresses or client_count != 1 or client_index != 0:
-            raise NotImplementedError(
-                "asynckv builds its own engine: client_addresses, client_count and "
-                "client_index (an engine launched elsewhere) are not supported"
-            )
+class AsyncLLMMethods:
+    """The part of ``AsyncEngine`` that mirrors ``AsyncLLM``; see the module docstring."""
 
-        def build() -> LLMEngine:
-            import vllm.envs as envs
-            from vllm import LLMEngine
-            from vllm.v1.executor import Executor
+    async def run_on_engine(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Run ``fn(llm_engine, *args, **kwargs)`` on the worker between two steps (the host's)."""
+        raise NotImplementedError
 
-            return LLMEngine(
-                vllm_config=vllm_config,
-                executor_class=Executor.get_class(vllm_config),
-                log_stats=not disable_log_stats,
-                aggregate_engine_logging=aggregate_engine_logging,
-                usage_context=usage_context,
-                stat_loggers=stat_loggers,
-                multiprocess_mode=envs.VLLM_ENABLE_V1_MULTIPROCESSING,
-            )
+    def _build_time(self) -> BuildTime:
+        """What the engine set when it was built (the host's); raises if there is none yet."""
+        raise NotImplementedError
 
-        return cls._unstarted(build, freeze_gc, stream_interval)
-
-    # -- state -------------------------------------------------------------------------
+    # -- build time, any thread --------------------------------------------------------
 
     @property
-    def is_running(self) -> bool:
-        """Whether the engine is started and neither closed nor dead (``errored``)."""
-        return self._worker.started and not self._closed and not self.errored
+    def vllm_config(self) -> VllmConfig:
+        """The engine's whole configuration, as ``AsyncLLM.vllm_config``; any thread.
+
+        Raises ``EngineNotStartedError`` before ``start()`` has built the engine.
+        """
+        return self._build_time().vllm_config
 
     @property
-    def is_stopped(self) -> bool:
-        """Whether the engine was closed or has died.
+    def model_config(self) -> ModelConfig:
+        """The engine's model configuration, as ``AsyncLLM.model_config``; any thread."""
+        return self._build_time().vllm_config.model_config
 
-        ``AsyncLLM.is_stopped`` is ``errored``; here a closed engine is
-        stopped too, and ``errored`` stays False for it.
+    @property
+    def renderer(self) -> BaseRenderer:
+        """The engine's renderer (chat templates, tokenization), as ``AsyncLLM.renderer``."""
+        return self._build_time().renderer
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The engine's input processor, as ``AsyncLLM.input_processor``; any thread."""
+        return self._build_time().input_processor
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer, or None with ``skip_tokenizer_init``; as ``AsyncLLM``'s."""
+        return self._build_time().renderer.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """Return the engine's tokenizer (raises if it has none); sync, as ``AsyncLLM``'s."""
+        return self._build_time().renderer.get_tokenizer()
+
+    async def is_tracing_enabled(self) -> bool:
+        """Whether OpenTelemetry tracing is configured (``--otlp-traces-endpoint``)."""
+        return self.vllm_config.observability_config.otlp_traces_endpoint is not None
+
+    # -- calls the worker applies between two steps ------------------------------------
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """The tasks the model supports (``"generate"``, ...), as vLLM reports them."""
+        return tuple(await self.run_on_engine(lambda e: e.get_supported_tasks()))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter into the engine."""
+        return bool(await self.run_on_engine(lambda e: e.add_lora(lora_request)))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Remove a loaded LoRA adapter."""
+        return bool(await self.run_on_engine(lambda e: e.remove_lora(lora_id)))
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the loaded LoRA adapters."""
+        return set(await self.run_on_engine(lambda e: e.list_loras()))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded LoRA adapter from being evicted."""
+        return bool(await self.run_on_engine(lambda e: e.pin_lora(lora_id)))
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
+        """Put the engine to sleep (free its accelerator memory) at ``level``.
+
+        ``mode`` says what happens to requests in flight, as for
+        ``AsyncLLM.sleep``; vLLM's engine core applies it. Needs a GPU.
         """
-        return self._closed or self.errored
+        await self.run_on_engine(lambda e: e.sleep(level, mode))
 
-    # -- requests ----------------------------------------------------------------------
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake the engine (or the ``tags`` resources) up; return whether it is fully awake."""
+        awake = await self.run_on_engine(lambda e: e.wake_up(tags))
+        # vLLM before 0.32 returns None, having woken everything it was asked to.
+        return True if awake is None else bool(awake)
 
-    async def add_request(
+    async def is_sleeping(self) -> bool:
+        """Whether the engine is asleep."""
+        return bool(await self.run_on_engine(lambda e: e.is_sleeping()))
+
+    async def collective_rpc(
         self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        lora_request: LoRARequest | None = None,
-        tokenization_kwargs: dict[str, Any] | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        priority: int = 0,
-        data_parallel_rank: int | None = None,
-        session_id: str | None = None,
-        prompt_text: str | None = None,
-        reasoning_ended: bool | None = None,
-        reasoning_parser_kwargs: dict[str, Any] | None = None,
-        kv_hints: Any = None,
-    ) -> RequestOutputCollector:
-        """Add a request and return vLLM's ``RequestOutputCollector`` of its outputs.
+        method: str | Callable[..., R],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[R]:
+        """Run ``method`` on every model worker, as ``LLMEngine.collective_rpc``.
 
-        As ``AsyncLLM.add_request``: ``await collector.get()`` (or
-        ``get_nowait()``) returns the next output, DELTA outputs merged while
-        nobody reads; the request runs until it finishes or is aborted with
-        ``abort(request_id)``: dropping the collector does not abort it. A bad
-        request raises from ``get()``. A task on this loop moves the outputs
-        from the request's stream into the collector. asynckv's own
-        ``generate()`` returns that stream directly, which aborts when dropped.
-
-        Raises:
-            NotImplementedError: ``prompt`` is an async generator (streaming
-                input), which ``LLMEngine`` does not take.
+        No step runs until it returns: keep it short.
         """
-        from vllm.v1.engine.output_processor import RequestOutputCollector
-
-        prompt, options = await engine_options(
-            self,
-            request_id,
-            prompt,
-            params,
-            arrival_time=arrival_time,
-            lora_request=lora_request,
-            tokenization_kwargs=tokenization_kwargs,
-            trace_headers=trace_headers,
-            priority=priority,
-            data_parallel_rank=data_parallel_rank,
-            session_id=session_id,
-            prompt_text=prompt_text,
-            reasoning_ended=reasoning_ended,
-            reasoning_parser_kwargs=reasoning_parser_kwargs,
-            kv_hints=kv_hints,
+        result: list[R] = await self.run_on_engine(
+            lambda e: e.collective_rpc(method, timeout, args, kwargs)
         )
-        collector = RequestOutputCollector(params.output_kind, request_id)
-        pump(self.generate(prompt, params, request_id, **options), collector)
-        return collector
+        return result
+
+    async def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        """Start vLLM's profiler (configured with ``--profiler-config``)."""
+        bounds = {
+            key: value
+            for key, value in (
+                ("delay_iterations", delay_iterations),
+                ("max_iterations", max_iterations),
+            )
+            if value is not None
+        }
+        await self.run_on_engine(lambda e: e.start_profile(profile_prefix, **bounds))
+
+    async def stop_profile(self) -> None:
+        """Stop vLLM's profiler."""
+        await self.run_on_engine(lambda e: e.stop_profile())
+
+    async def reset_mm_cache(self) -> None:
+        """Clear the multi-modal caches (a no-op for a text-only model)."""
+        await self.run_on_engine(lambda e: e.reset_mm_cache())
+
+    async def reset_encoder_cache(self) -> None:
+        """Invalidate the cached encoder outputs (after a weight update, say)."""
+        await self.run_on_engine(lambda e: e.reset_encoder_cache())
+
+    async def release_kv_cache_memory(self) -> None:
+        """Discard the KV cache's memory; vLLM requires a completed pause first."""
+        await self.run_on_engine(lambda e: e.release_kv_cache_memory())
+
+    async def do_log_stats(self) -> None:
+        """Log vLLM's periodic stats line now (its stat loggers' ``log()``).
+
+        ``LLMEngine.step()`` already records every step into its stat loggers
+        (Prometheus among them) and logs at ``VLLM_LOG_STATS_INTERVAL``; vLLM's
+        server also calls this every interval. A no-op before the engine is
+        started and once it is closed or dead, so that periodic caller never fails.
+        """
+        try:
+            await self.run_on_engine(lambda e: e.do_log_stats())
+        except (EngineClosedError, EngineDeadError, EngineNotStartedError):
+            return
 
     def encode(self, *args: Any, **kwargs: Any) -> NoReturn:
         """Not supported: asynckv streams generation requests only.

@@ -3,29 +3,44 @@
 Every method here runs on the caller's thread, usually an event loop
 (asyncio or trio), and never touches the ``LLMEngine``: it puts a command in
 the worker's inbox and, for the awaitable ones, waits for the answer on the
-caller's loop. The sync ``shutdown()`` may run on any thread.
+caller's loop. The sync ``shutdown()`` may run on any thread; ``stats``,
+``check_health`` and the state properties read the worker's snapshot, from
+any thread, without waiting for it. The ``AsyncLLM`` calls that are only
+``run_on_engine``, and the build-time properties, are in ``_asyncllm.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from vllm.sampling_params import SamplingParams
 from vllm.usage.usage_lib import UsageContext
 
 from .._bridge import _loops
-from .._bridge._commands import Abort, Add, Reply
-from .._errors import EngineClosedError, EngineNotStartedError
-from .._types import RestartPolicy
+from .._bridge._commands import Abort, Add, Call, Hold, Pause, Release, Reply, Resume
+from .._errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineNotStartedError,
+    EngineRestartingError,
+    EngineStalledError,
+)
+from .._log import emit
+from .._stats import EngineStats
+from .._types import PauseMode, RestartPolicy
+from .._worker._registry import Life
+from .._worker._steps import StepStream
 from .._worker._worker import Worker
 from . import _checks
-from ._asyncllm import AsyncLLMMethods
-from ._build_time import BuildRecord
-from ._engine_control import EngineControl
+from ._asyncllm import AsyncLLMMethods, BuildRecord, BuildTime
+from ._requests import engine_options, pump
 from ._sink import _Sink
 from ._stream import RequestStream
 
@@ -33,14 +48,26 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from vllm import EngineArgs, LLMEngine
+    from vllm.config import VllmConfig
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.output_processor import RequestOutputCollector
     from vllm.v1.metrics.loggers import StatLoggerFactory
 
     from .._vllm import EngineLike
 
 __all__ = ("AsyncEngine",)
 
+R = TypeVar("R")
 
-class AsyncEngine(AsyncLLMMethods, EngineControl):
+# The holds of the paused() blocks the current task is inside (tasks created
+# in a block inherit it): a call that needs steps which such a hold stops can
+# never complete, and the worker refuses it at once.
+_HOLDING: contextvars.ContextVar[frozenset[Hashable]] = contextvars.ContextVar(
+    "asynckv_holding", default=frozenset()
+)
+
+
+class AsyncEngine(AsyncLLMMethods):
     """An async facade (asyncio or trio) over one ``vllm.LLMEngine``, stepped on its own thread.
 
     A dedicated worker thread owns the engine: it is the only thread that
@@ -88,8 +115,8 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
     the cache resets, ...), so code written for ``AsyncLLM`` runs on it; and
     ``asynckv.AsyncEngineClient`` makes it vLLM's ``EngineClient``.
 
-    The controls (``run_on_engine``, ``reset_prefix_cache``, ``paused()``, the
-    pause calls, ``stats``, ``check_health``) come from ``EngineControl``.
+    The calls it shares with ``AsyncLLM`` that are only ``run_on_engine``, and
+    the build-time properties, come from ``AsyncLLMMethods``.
     """
 
     def __init__(
@@ -148,6 +175,65 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
             usage_context=usage_context,
             stat_loggers=stat_loggers,
         )
+        return cls._unstarted(build, freeze_gc, stream_interval, restart, keep_off_model_cores)
+
+    @classmethod
+    def from_vllm_config(
+        cls,
+        vllm_config: VllmConfig,
+        start_engine_loop: bool = True,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+        stat_loggers: list[StatLoggerFactory] | None = None,
+        enable_log_requests: bool = False,
+        aggregate_engine_logging: bool = False,
+        disable_log_stats: bool = False,
+        client_addresses: dict[str, Any] | None = None,
+        client_count: int = 1,
+        client_index: int = 0,
+        *,
+        freeze_gc: bool = True,
+        stream_interval: float = 0.0,
+        restart: RestartPolicy | None = None,
+        keep_off_model_cores: bool = True,
+    ) -> AsyncEngine:
+        """Make an engine that ``start()`` will build from ``vllm_config``, as ``AsyncLLM``'s.
+
+        The engine is built on the worker thread by ``start()``, in vLLM's
+        multiprocess mode unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, with
+        stats on unless ``disable_log_stats`` (they feed vLLM's stat loggers:
+        its log line, its Prometheus metrics and any ``stat_loggers``).
+        ``enable_log_requests`` changes nothing: asynckv logs every request at
+        DEBUG through its own logger (``configure_logging``).
+        ``start_engine_loop``, ``freeze_gc``, ``stream_interval``, ``restart``
+        and ``keep_off_model_cores``: as in ``from_engine_args`` (``restart``
+        rebuilds from the same configuration).
+
+        Raises:
+            NotImplementedError: ``client_addresses``, ``client_count`` or
+                ``client_index`` given: an engine started elsewhere, which
+                ``LLMEngine`` can't attach to.
+        """
+        if client_addresses or client_count != 1 or client_index != 0:
+            raise NotImplementedError(
+                "asynckv builds its own engine: client_addresses, client_count and "
+                "client_index (an engine launched elsewhere) are not supported"
+            )
+
+        def build() -> LLMEngine:
+            import vllm.envs as envs
+            from vllm import LLMEngine
+            from vllm.v1.executor import Executor
+
+            return LLMEngine(
+                vllm_config=vllm_config,
+                executor_class=Executor.get_class(vllm_config),
+                log_stats=not disable_log_stats,
+                aggregate_engine_logging=aggregate_engine_logging,
+                usage_context=usage_context,
+                stat_loggers=stat_loggers,
+                multiprocess_mode=envs.VLLM_ENABLE_V1_MULTIPROCESSING,
+            )
+
         return cls._unstarted(build, freeze_gc, stream_interval, restart, keep_off_model_cores)
 
     @classmethod
@@ -260,6 +346,34 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         self._submit(make(reply))
         return await reply.future
 
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine is started and neither closed nor dead (``errored``)."""
+        return self._worker.started and not self._closed and not self.errored
+
+    @property
+    def is_stopped(self) -> bool:
+        """Whether the engine was closed or has died.
+
+        ``AsyncLLM.is_stopped`` is ``errored``; here a closed engine is
+        stopped too, and ``errored`` stays False for it.
+        """
+        return self._closed or self.errored
+
+    def _build_time(self) -> BuildTime:
+        built = self._record.built
+        if built is None:
+            if self._closed or self.errored:
+                raise EngineClosedError()  # it never got built
+            if self._worker.started:
+                raise AttributeError(
+                    "the wrapped engine has no vllm_config, renderer or input_processor"
+                )
+            raise EngineNotStartedError()
+        return built
+
     # -- requests ------------------------------------------------------------------
 
     def generate(
@@ -326,3 +440,266 @@ class AsyncEngine(AsyncLLMMethods, EngineControl):
         """
         ids = _checks.request_ids(request_id)
         await self._ask(lambda reply: Abort(ids, reply))
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        session_id: str | None = None,
+        prompt_text: str | None = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
+        kv_hints: Any = None,
+    ) -> RequestOutputCollector:
+        """Add a request and return vLLM's ``RequestOutputCollector`` of its outputs.
+
+        As ``AsyncLLM.add_request``: ``await collector.get()`` (or
+        ``get_nowait()``) returns the next output, DELTA outputs merged while
+        nobody reads; the request runs until it finishes or is aborted with
+        ``abort(request_id)``: dropping the collector does not abort it. A bad
+        request raises from ``get()``. A task on this loop moves the outputs
+        from the request's stream into the collector. asynckv's own
+        ``generate()`` returns that stream directly, which aborts when dropped.
+
+        Raises:
+            NotImplementedError: ``prompt`` is an async generator (streaming
+                input), which ``LLMEngine`` does not take.
+        """
+        from vllm.v1.engine.output_processor import RequestOutputCollector
+
+        prompt, options = await engine_options(
+            self,
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
+            tokenization_kwargs=tokenization_kwargs,
+            trace_headers=trace_headers,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+            session_id=session_id,
+            prompt_text=prompt_text,
+            reasoning_ended=reasoning_ended,
+            reasoning_parser_kwargs=reasoning_parser_kwargs,
+            kv_hints=kv_hints,
+        )
+        collector = RequestOutputCollector(params.output_kind, request_id)
+        pump(self.generate(prompt, params, request_id, **options), collector)
+        return collector
+
+    # -- controls ---------------------------------------------------------------------
+
+    async def run_on_engine(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Run ``fn(llm_engine, *args, **kwargs)`` on the worker between two steps.
+
+        Returns its result; its exception is raised here and the engine keeps
+        going. ``fn`` must not block for long: no step runs meanwhile.
+        """
+        result: R = await self._ask(lambda reply: Call(lambda e: fn(e, *args, **kwargs), reply))
+        return result
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Reset the prefix cache between two steps and return vLLM's answer.
+
+        False when running requests still hold blocks and
+        ``reset_running_requests`` is False. With it True, running requests are
+        preempted and recomputed, and finish as they would have without the reset.
+        """
+        worker = self._worker
+
+        def reset(engine: LLMEngine) -> bool:
+            # On the worker thread, between two steps.
+            in_flight = len(worker.registry.routes)
+            done = bool(engine.reset_prefix_cache(reset_running_requests, reset_connector))
+            emit(
+                logging.INFO if done else logging.WARNING,
+                "prefix cache reset",
+                result=done,
+                step=worker.counters.steps,
+                reset_running_requests=reset_running_requests,
+                requests_preempted=in_flight if done and reset_running_requests else 0,
+            )
+            return done
+
+        result: bool = await self.run_on_engine(reset)
+        return result
+
+    def steps(self, buffer: int = 1024) -> StepStream:
+        """Stream a ``StepRecord`` for each engine step from now on: ``async for step in ...``.
+
+        Call it on the loop that will read it. Records come in step order,
+        with the step's number, duration, requests and tokens (prefill and
+        decode apart), finishes, and preemptions and the scheduler's queue
+        where vLLM reports them (stats on). A reader that falls behind loses
+        the oldest records beyond ``buffer`` (``StepStream.skipped`` counts
+        them); the worker never waits for it. With no reader the worker
+        makes no records at all. Iteration stops when the stream is closed or
+        the engine closes; it raises ``EngineDeadError`` if the engine dies.
+        ``run_on_engine`` remains the way to run code between two steps.
+
+        Raises:
+            ValueError: ``buffer`` < 1.
+            EngineClosedError: the engine is closed.
+        """
+        self._check_open()
+        if buffer < 1:
+            raise ValueError(f"buffer must be at least 1, got {buffer}")
+        return StepStream(self._worker.steps, buffer)
+
+    def stats(self) -> EngineStats:
+        """Take a snapshot of the engine's counters, without waiting for the worker.
+
+        Safe from any thread; never blocks. See ``EngineStats`` for the fields.
+        """
+        snap = self._worker.snapshot()
+        last = snap.last_step_end
+        return EngineStats(
+            steps=snap.steps,
+            steps_per_second=snap.steps_per_second,
+            last_step_seconds=snap.last_step_seconds,
+            seconds_since_last_step=None if last is None else time.perf_counter() - last,
+            requests_in_flight=snap.in_flight,
+            requests_waiting=snap.waiting,
+            paused=snap.admission_paused or snap.held,
+            commands_queued=snap.commands_queued,
+            outputs_delivered=snap.outputs_delivered,
+            requests_finished=snap.requests_finished,
+            requests_aborted=snap.requests_aborted,
+            loops_served=snap.loops_served,
+            restarts=snap.restarts,
+        )
+
+    @property
+    def step_count(self) -> int:
+        """The number of engine steps completed so far."""
+        return self._worker.counters.steps
+
+    @contextlib.asynccontextmanager
+    async def paused(self, at_step: int | None = None) -> AsyncIterator[int]:
+        """Hold the engine at a step boundary for the duration of the block.
+
+        Enters once the worker stands at the next boundary, or right after step
+        ``at_step`` completes, and yields the number of completed steps there.
+        Commands issued in the block (generate, abort, reset, ...) are applied
+        in order at that boundary; stepping resumes when the block exits.
+
+        Holds stack: stepping resumes when every block has exited. A block
+        entered inside another of the same task (or of a task created inside
+        it) for a future ``at_step`` could never be entered, and raises at once.
+
+        Raises:
+            ValueError: ``at_step`` has already passed.
+            EngineHeldError: ``at_step`` is in the future and the caller's own
+                ``paused()`` block stops the stepping.
+        """
+        holding = _HOLDING.get()
+        hold = Hold(at_step, Reply.here(), holding)
+        try:
+            self._submit(hold)
+            step: int = await hold.reply.future
+            entered = _HOLDING.set(holding | {hold.token})
+            try:
+                yield step
+            finally:
+                _HOLDING.reset(entered)
+        finally:
+            with contextlib.suppress(EngineClosedError, EngineDeadError):
+                self._worker.inbox.put(Release(hold.token))
+
+    async def pause_generation(
+        self, *, mode: PauseMode = "abort", clear_cache: bool = True
+    ) -> None:
+        """Pause generation, as ``AsyncLLM.pause_generation`` does.
+
+        Requests submitted while paused wait and are admitted, in order, on
+        ``resume_generation()``. ``mode`` says what happens to those in flight:
+        ``"abort"`` aborts them, ``"wait"`` returns once they have finished,
+        ``"keep"`` freezes them until resumed. ``clear_cache`` then resets the
+        prefix cache (preempting kept requests, which recompute on resume).
+        A pause while paused applies its own mode to what is in flight. A
+        pending ``"wait"`` also returns when ``resume_generation()`` comes first.
+        docs/reset-and-pause.md has the outcome of every combination.
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            EngineHeldError: ``"wait"`` with requests in flight while a ``"keep"``
+                pause or the caller's own ``paused()`` block stops the stepping
+                (it could never return); nothing changes.
+        """
+        mode = _checks.pause_mode(mode)
+        holding = _HOLDING.get()
+        await self._ask(lambda reply: Pause(mode, clear_cache, reply, holding))
+
+    async def resume_generation(self) -> None:
+        """Resume after ``pause_generation()``: admit the waiting requests, step again.
+
+        A no-op when not paused. Pending ``"wait"`` pauses return.
+        """
+        await self._ask(Resume)
+
+    async def is_paused(self) -> bool:
+        """Whether ``pause_generation()`` is in force."""
+        self._check_open()
+        return self._worker.snapshot().admission_paused
+
+    # -- health ----------------------------------------------------------------------
+
+    async def check_health(self, stall_timeout: float | None = None) -> None:
+        """Raise unless the engine is usable and, given ``stall_timeout``, making progress.
+
+        Never waits for the worker, so it answers even while a step hangs.
+
+        Raises:
+            EngineClosedError: the engine was closed.
+            EngineDeadError: the engine died (with a ``RestartPolicy``: beyond it).
+            EngineRestartingError: a dead engine is being rebuilt (its
+                ``RestartPolicy``): degraded, not dead; requests wait and resume.
+            EngineStalledError: a ``step()`` has been running for longer than
+                ``stall_timeout`` seconds, or requests are unfinished, nothing
+                holds the engine (``paused()``, a "keep" pause) and no step has
+                completed for that long.
+        """
+        self._check_open()
+        snap = self._worker.snapshot()
+        if (error := snap.dead_error) is not None:
+            raise error
+        if snap.life is Life.RESTARTING:
+            raise EngineRestartingError(self._worker.restart_cause)
+        if stall_timeout is None:
+            return
+        now = time.perf_counter()
+        stepping = snap.in_step_since
+        if stepping is not None and now - stepping > stall_timeout:
+            # A step that doesn't return stalls everything, whatever we track.
+            raise EngineStalledError(now - stepping, snap.in_flight)
+        if not snap.in_flight or snap.held:
+            return
+        idle = now - max(snap.last_step_end or 0.0, snap.busy_since)
+        if idle > stall_timeout:
+            raise EngineStalledError(idle, snap.in_flight)
+
+    @property
+    def restarting(self) -> bool:
+        """Whether a dead engine is being rebuilt now (``RestartPolicy``): degraded, not dead."""
+        return self._worker.registry.life is Life.RESTARTING
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine has died."""
+        return self._worker.registry.dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException:
+        """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
+        error = self._worker.registry.dead_error
+        return error or EngineDeadError(RuntimeError("the engine is alive"))
