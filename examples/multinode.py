@@ -16,7 +16,7 @@ Both take ``vllm serve``'s flags (vLLM's own parser); give both nodes the same
 engine flags: each node builds its own config, and the ranks must agree on
 it (a head built from plain ``EngineArgs`` gets other defaults for
 ``max_num_seqs`` and ``max_num_batched_tokens`` than ``vllm serve``'s: pass
-both explicitly then, as tests/test_multinode.py does). On one
+both explicitly then, as tests/engine/test_multinode.py does). On one
 machine, over loopback (as the tests run it)::
 
     export VLLM_HOST_IP=127.0.0.1  # on both: the address vLLM's ranks announce

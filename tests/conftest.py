@@ -11,7 +11,7 @@ pytest-asyncio's hands off the ``anyio`` tests: in auto mode it would take
 them too, and run their trio case on asyncio.
 
 Markers (applied here): ``engine`` for every test that drives a real vLLM
-engine, ``gpu`` for the tests that need CUDA (tests/test_gpu.py), ``cpu_only``
+engine, ``gpu`` for the tests that need CUDA (tests/gpu/test_gpu.py), ``cpu_only``
 for engine tests that assume this machine (set in their modules). With
 ``ASYNCKV_TEST_DEVICE=cuda`` (scripts/gpu/README.md) the engines are CUDA
 engines and only ``engine``/``gpu`` tests that are not ``cpu_only`` run;

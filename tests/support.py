@@ -209,7 +209,7 @@ class FakeEngine:
 if TYPE_CHECKING:
     # mypy checks the fake against the Protocol of what the worker calls.
     _FAKE_IS_AN_ENGINE: EngineLike = FakeEngine()
-# -- HTTP servers in subprocesses (tests/test_server.py, tests/test_serve.py) ---------------
+# -- HTTP servers in subprocesses (tests/servers/) -----------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The API that ``AsyncEngine`` and ``AsyncEnginePool`` share, as a Protocol.
 
 Runs nowhere: a type. Code written against ``AsyncEngineAPI`` takes either
-one engine or a pool; mypy checks both against it (tests/test_api.py).
+one engine or a pool; mypy checks both against it (tests/unit/test_api.py).
 """
 
 from __future__ import annotations

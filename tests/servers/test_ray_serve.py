@@ -39,7 +39,7 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ray_serve.py"
 TOKEN_VAR = "ASYNCKV_RAY_TEST"
 # Tokens: a stream that outlasts the test's steps (the tiny model makes ~100-200 a second).

@@ -5,7 +5,7 @@ head is an ``AsyncEngine`` in this process (``nnodes=2, node_rank=0``, TP=2,
 so one rank per node), and the other node is ``examples/multinode.py
 --headless`` in a subprocess of its own session, with the same engine
 arguments. Greedy tokens are checked against a single-node engine (float32,
-as in tests/test_tp.py). The last test kills the headless node and so must
+as in tests/engine/test_tp.py). The last test kills the headless node and so must
 stay last; the fixture kills whatever is left of it, pass or fail.
 """
 
@@ -47,7 +47,7 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multinode.py"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # Every node builds its own config from its own arguments; the ranks must agree on
@@ -57,7 +57,7 @@ SHARED = {
     "max_num_seqs": 32,
     "max_num_batched_tokens": 512,
     "seed": 0,
-    "dtype": "float32",  # TP=2 sums in another order than TP=1: see tests/test_tp.py
+    "dtype": "float32",  # TP=2 sums in another order than TP=1: see tests/engine/test_tp.py
 }
 PROMPTS = (
     "To be or not to be,",

@@ -23,7 +23,7 @@ from support import cancel_while_iterating, result, start_engine, unfinished
 
 pytestmark = pytest.mark.gpu
 
-CHECKPOINT = Path(__file__).resolve().parent.parent / "scripts" / "gpu" / "llama8b"
+CHECKPOINT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "llama8b"
 VOCAB = 128256
 
 

@@ -2,7 +2,7 @@
 
 A module of its own, with a server of its own (one engine, ``--restart 2``,
 float32 so that the resumed greedy tokens are those of a run without the
-kill): the shared server of tests/test_server.py stays as fast as it was.
+kill): the shared server of tests/servers/test_server.py stays as fast as it was.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from support import ServerProcess, free_port, launch_server, stop_server, wait_u
 
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(900)]
 
-SERVER = Path(__file__).resolve().parents[1] / "examples" / "server.py"
+SERVER = Path(__file__).resolve().parents[2] / "examples" / "server.py"
 TOKENS = 48
 
 

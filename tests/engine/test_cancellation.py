@@ -3,7 +3,7 @@
 Each test ends by asking the engine, between two steps, how many requests it
 still holds: the invariant is that the answer is 0. The tests marked ``anyio``
 run on asyncio and on trio; the others are about asyncio's ``task.cancel()``
-(their trio counterparts, cancel scopes, are in tests/test_backends.py).
+(their trio counterparts, cancel scopes, are in tests/engine/test_backends.py).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ print(asyncio.run(main()))
 
 def test_asyncio_callers_need_no_trio() -> None:
     """With trio impossible to import, asyncio callers are served as ever."""
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).resolve().parents[1])
     done = subprocess.run(
         [sys.executable, "-c", _WITHOUT_TRIO],
         capture_output=True,

@@ -33,7 +33,7 @@ from support import ServerProcess, free_port, launch_server, stop_server, wait_u
 # Server starts (15-200 s on 2 busy cores) count against the first test's timeout.
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORPUS = (importlib.resources.files("asynckv") / "_data" / "corpus.txt").read_text("utf-8")
 TEMPLATE = str(importlib.resources.files("asynckv") / "_data" / "chat_template.jinja")
 KEY = "test-key"
