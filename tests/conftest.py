@@ -42,7 +42,7 @@ from support import ON_GPU, engine_args, start_engine
 # imported here, at startup, it runs before any freeze. (The GPU machine may lack it.)
 with contextlib.suppress(ImportError):
     import hypothesis  # noqa: F401
-# -- hypothesis profiles for the model-based tests (tests/test_model*.py) --------
+# -- hypothesis profiles for the model-based tests (tests/model/) ----------------
 #
 # "ci" (the default) is reproducible: derandomized, no example database, so a
 # run explores the same examples every time. "long" is a local soak run:

@@ -1,4 +1,7 @@
-"""What the model-based tests stand on: a fake engine that steps on credit, and loop threads.
+"""What both model-based machines stand on: a fake engine, loop threads, stream consumers.
+
+tests/model/test_model_fake.py drives ``CreditEngine`` below; test_model_engine.py
+drives the real tiny engine. Both consume streams with ``Consumer`` and ``consume``.
 
 ``CreditEngine`` is the suite's ``FakeEngine`` made exact enough to model: it
 emulates vLLM's multiprocess mode, where ``step()`` returns the engine core's
@@ -11,7 +14,9 @@ does, records how every request ended, and flags a step that the model says
 cannot happen (while a hold or a "keep" pause stops the stepping).
 
 ``LoopThread`` is an event loop running forever on a thread of its own;
-``call`` runs a coroutine there and waits for it, bounded.
+``call`` runs a coroutine there and waits for it, bounded. ``Consumer`` is a
+task on such a loop that awaits, iterates or ``anext``s a stream, recording
+what it gave.
 """
 
 from __future__ import annotations
@@ -23,21 +28,32 @@ import os
 import queue
 import subprocess
 import threading
+import traceback
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
+from asynckv import AsyncEngine, RequestStream
 from support import FakeEngine
 
 T = TypeVar("T")
 
 # How long any call may take before it counts as a hang.
 BOUND = float(os.environ.get("ASYNCKV_MODEL_BOUND", "10"))
+
+KINDS = {
+    "delta": RequestOutputKind.DELTA,
+    "cumulative": RequestOutputKind.CUMULATIVE,
+    "final": RequestOutputKind.FINAL_ONLY,
+}
+LOOP = st.integers(0, 1)
+PICK = st.integers(0, 7)
 
 CREDIT = "credit"
 """What the test puts on the fake core's output queue to allow one step."""
@@ -303,3 +319,110 @@ def wait_event(event: threading.Event, what: str, bound: float = BOUND) -> None:
     """Wait for ``event``; ``Hang`` if it is not set within ``bound`` seconds."""
     if not event.wait(bound):
         raise Hang(f"hang: {what} did not happen within {bound} s")
+
+
+# -- consuming a stream --------------------------------------------------------------
+
+ConsumerKind = Literal["await", "iterate", "anext", "anext_aiter", "break_keep", "inline_break"]
+
+
+@dataclass(eq=False)
+class Consumer:
+    """A task on a stream's loop that awaits, iterates or ``anext``s it.
+
+    Written by its task on the loop; read by the test thread once ``done`` is set.
+    """
+
+    kind: ConsumerKind
+    done: threading.Event = field(default_factory=threading.Event)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    result: RequestOutput | None = None  # what an await gave
+    error: BaseException | None = None
+    trace: str = ""
+    cancelled: bool = False
+    stopped: bool = False  # StopAsyncIteration
+    after_end: str = ""  # what a further anext gave after the end of an iteration
+    due: bool = False  # the model says it has ended (or will before the next rule)
+    task: asyncio.Task[None] | None = None
+
+
+def keep_error(consumer: Consumer, exc: BaseException) -> None:
+    """Record ``exc`` with its traceback, then let the traceback's frames go."""
+    consumer.error = exc
+    consumer.trace = "".join(traceback.format_exception(exc))
+    # The traceback's frames hold the stream: let it go, as a user's handler would.
+    exc.__traceback__ = None
+
+
+async def consume(consumer: Consumer, stream: RequestStream) -> None:
+    """Consume ``stream`` as ``consumer.kind`` says, recording what it gave."""
+    # RequestStream is its own async iterator (issue 13); typed loosely for the old code.
+    it: Any = stream
+    try:
+        if consumer.kind == "await":
+            consumer.result = await stream
+        elif consumer.kind == "iterate":
+            async for out in stream:
+                consumer.outputs.append(out)
+            try:
+                extra = await anext(aiter(stream))
+            except StopAsyncIteration:
+                consumer.after_end = "stop"
+            except Exception as exc:
+                consumer.after_end = repr(exc)
+            else:
+                consumer.after_end = f"another output: {extra}"
+        elif consumer.kind == "anext":
+            consumer.outputs.append(await anext(it))
+        elif consumer.kind == "anext_aiter":
+            consumer.outputs.append(await anext(aiter(stream)))
+        elif consumer.kind == "break_keep":
+            async for out in stream:
+                consumer.outputs.append(out)
+                break
+    except StopAsyncIteration:
+        consumer.stopped = True
+    except asyncio.CancelledError:
+        consumer.cancelled = True
+    except Exception as exc:
+        keep_error(consumer, exc)
+    finally:
+        del stream, it
+        consumer.done.set()
+
+
+def start_inline_break(
+    loop: LoopThread, engine: AsyncEngine, prompt: str, params: SamplingParams, rid: str
+) -> Consumer:
+    """``async for out in engine.generate(...): break`` in a task on ``loop``.
+
+    The stream is dropped at its first output: the request is aborted at once.
+    """
+    consumer = Consumer("inline_break")
+
+    async def body() -> None:
+        try:
+            async for out in engine.generate(prompt, params, request_id=rid):
+                consumer.outputs.append(out)
+                break
+        except asyncio.CancelledError:
+            consumer.cancelled = True
+        except Exception as exc:
+            keep_error(consumer, exc)
+        finally:
+            consumer.done.set()
+
+    async def start() -> None:
+        consumer.task = asyncio.create_task(body())
+
+    loop.call(start, "starting a consumer")
+    return consumer
+
+
+def start_consumer(loop: LoopThread, consumer: Consumer, stream: RequestStream) -> None:
+    """Start ``consumer`` on ``stream`` in a task on ``loop``."""
+
+    async def start() -> None:
+        consumer.task = asyncio.create_task(consume(consumer, stream))
+
+    loop.call(start, "starting a consumer")

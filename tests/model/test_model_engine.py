@@ -15,19 +15,17 @@ parked requests, ``is_paused()`` and ``stats()`` agree with the model; and
 whenever the model has nothing in flight the engine holds nothing either
 (``support.unfinished(engine) == 0``). Each example leaves the shared engine
 resumed and empty. Death and close are left to the fake-engine machine
-(tests/test_model.py): they would cost the session its engine.
+(test_model_fake.py): they would cost the session its engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import threading
-import traceback
 import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 from hypothesis import note, settings
@@ -44,30 +42,18 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineHeldError, RequestStream
-from model_support import BOUND, LoopThread, wait_event
-
-KINDS = {
-    "delta": RequestOutputKind.DELTA,
-    "cumulative": RequestOutputKind.CUMULATIVE,
-    "final": RequestOutputKind.FINAL_ONLY,
-}
-LOOP = st.integers(0, 1)
-PICK = st.integers(0, 7)
-Kind = Literal["await", "iterate", "anext", "break_keep", "inline_break"]
-
-
-@dataclass(eq=False)
-class Consumer:
-    """A task consuming a stream; written on its loop, read once ``done`` is set."""
-
-    kind: Kind
-    done: threading.Event = field(default_factory=threading.Event)
-    outputs: list[RequestOutput] = field(default_factory=list)
-    error: BaseException | None = None
-    trace: str = ""
-    cancelled: bool = False
-    stopped: bool = False  # StopAsyncIteration
-    task: asyncio.Task[None] | None = None
+from model_support import (
+    BOUND,
+    KINDS,
+    LOOP,
+    PICK,
+    Consumer,
+    ConsumerKind,
+    LoopThread,
+    start_consumer,
+    start_inline_break,
+    wait_event,
+)
 
 
 @dataclass(eq=False)
@@ -156,15 +142,10 @@ class RealEngineMachine(RuleBasedStateMachine):
     def _abort(self, live: Live) -> None:
         live.must_end, live.parked = True, False
 
-    def _start(self, live: Live, kind: Kind) -> None:
-        consumer = live.consumer = Consumer(kind)
-        stream = live.stream
-        assert stream is not None
-
-        async def start() -> None:
-            consumer.task = asyncio.create_task(_consume(consumer, stream))
-
-        self._call(live.loop, start)
+    def _start(self, live: Live, kind: ConsumerKind) -> None:
+        assert live.stream is not None
+        live.consumer = Consumer(kind)
+        start_consumer(self.loops[live.loop], live.consumer, live.stream)
 
     # -- rules -----------------------------------------------------------------------
 
@@ -192,24 +173,9 @@ class RealEngineMachine(RuleBasedStateMachine):
 
             self._call(loop, go)
             return
-        consumer = live.consumer = Consumer("inline_break")
-
-        async def body() -> None:
-            try:
-                async for out in engine.generate("A robot may not", params, request_id=live.rid):
-                    consumer.outputs.append(out)
-                    break
-            except asyncio.CancelledError:
-                consumer.cancelled = True
-            except Exception as exc:
-                _keep_error(consumer, exc)
-            finally:
-                consumer.done.set()
-
-        async def start() -> None:
-            consumer.task = asyncio.create_task(body())
-
-        self._call(loop, start)
+        live.consumer = start_inline_break(
+            self.loops[loop], engine, "A robot may not", params, live.rid
+        )
 
     # The real engine runs by itself, so when a consumer ends is not known; what
     # rules may run next must not depend on it (hypothesis replays the choices).
@@ -224,7 +190,7 @@ class RealEngineMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._consumable())
     @rule(pick=PICK, how=st.sampled_from(["await", "iterate", "anext", "break_keep"]))
-    def consume(self, pick: int, how: Kind) -> None:
+    def consume(self, pick: int, how: ConsumerKind) -> None:
         live = self._pick(self._consumable(), pick)
         note(f"{live.rid}: {how}")
         self._start(live, how)
@@ -388,9 +354,11 @@ class RealEngineMachine(RuleBasedStateMachine):
         what = f"{live.rid} ({consumer.kind})"
         assert consumer.error is None, f"{what}: raised {consumer.error!r}\n{consumer.trace}"
         assert not consumer.cancelled, f"{what}: cancelled unprompted"
+        if consumer.result is not None:
+            consumer.outputs.append(consumer.result)
         if live.ended:
             # Consumed again after its end: await gives the final output again,
-            # iteration nothing, anext StopAsyncIteration.
+            # iteration nothing (and StopAsyncIteration after it), anext StopAsyncIteration.
             if consumer.kind == "await":
                 assert len(consumer.outputs) == 1 and consumer.outputs[0].finished, what
             else:
@@ -409,6 +377,8 @@ class RealEngineMachine(RuleBasedStateMachine):
                 self._check_final(live)
         if consumer.kind in ("await", "iterate"):
             assert live.ended, f"{what}: ended without a final output"
+        if consumer.kind == "iterate":
+            assert consumer.after_end == "stop", f"{what}: after the end: {consumer.after_end}"
         if consumer.kind == "inline_break":
             self._abort(live)
             live.closed = True
@@ -443,36 +413,6 @@ class RealEngineMachine(RuleBasedStateMachine):
 async def _unfinished(engine: AsyncEngine) -> int:
     count: int = await engine.run_on_engine(lambda e: e.get_num_unfinished_requests())
     return count
-
-
-def _keep_error(consumer: Consumer, exc: BaseException) -> None:
-    consumer.error = exc
-    consumer.trace = "".join(traceback.format_exception(exc))
-    exc.__traceback__ = None
-
-
-async def _consume(consumer: Consumer, stream: RequestStream) -> None:
-    try:
-        if consumer.kind == "await":
-            consumer.outputs.append(await stream)
-        elif consumer.kind == "iterate":
-            async for out in stream:
-                consumer.outputs.append(out)
-        elif consumer.kind == "anext":
-            consumer.outputs.append(await anext(stream))
-        else:
-            async for out in stream:
-                consumer.outputs.append(out)
-                break
-    except StopAsyncIteration:
-        consumer.stopped = True
-    except asyncio.CancelledError:
-        consumer.cancelled = True
-    except Exception as exc:
-        _keep_error(consumer, exc)
-    finally:
-        del stream
-        consumer.done.set()
 
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning")

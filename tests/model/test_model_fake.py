@@ -1,7 +1,7 @@
 """The engine against a model: random interleavings from two event loops on two threads.
 
 A hypothesis ``RuleBasedStateMachine`` drives ``AsyncEngine(CreditEngine())``
-(tests/model_support.py: a fake engine that steps once per credit the test
+(tests/model/model_support.py: a fake engine that steps once per credit the test
 gives) through its public API from two event loops, each running on a thread
 of its own, and keeps a model of what the engine must then hold. Rules:
 generate (n 1 and 2, DELTA, CUMULATIVE, FINAL_ONLY, short and endless), the
@@ -41,7 +41,6 @@ import concurrent.futures
 import gc
 import os
 import threading
-import traceback
 import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -72,26 +71,25 @@ from asynckv import (
 )
 from model_support import (
     BOUND,
+    KINDS,
+    LOOP,
+    PICK,
+    Consumer,
+    ConsumerKind,
     CreditEngine,
     FakeCoreProcess,
     Hang,
     LoopThread,
+    start_consumer,
+    start_inline_break,
     wait,
     wait_event,
 )
 
 AVOID = frozenset(filter(None, os.environ.get("ASYNCKV_MODEL_AVOID", "").split(",")))
 LONG = 10**6  # tokens: a request that never finishes by itself
-KINDS = {
-    "delta": RequestOutputKind.DELTA,
-    "cumulative": RequestOutputKind.CUMULATIVE,
-    "final": RequestOutputKind.FINAL_ONLY,
-}
-LOOP = st.integers(0, 1)
 MIN_AGE = 12  # rules in a lifetime before it may end
 MAX_HOLDS = 2  # holds at once (active or pending): more would stop the stepping for good
-PICK = st.integers(0, 7)
-ConsumerKind = Literal["await", "iterate", "anext", "anext_aiter", "break_keep", "inline_break"]
 CONSUMERS: list[ConsumerKind] = ["await", "iterate"]
 if "anext" not in AVOID:
     CONSUMERS += ["anext", "anext_aiter", "break_keep"]
@@ -103,26 +101,6 @@ class Result:
 
     value: Any = None
     error: BaseException | None = None
-
-
-@dataclass(eq=False)
-class Consumer:
-    """A task on a stream's loop that awaits, iterates or ``anext``s it.
-
-    Written by its task on the loop; read by the test thread once ``done`` is set.
-    """
-
-    kind: ConsumerKind
-    done: threading.Event = field(default_factory=threading.Event)
-    outputs: list[RequestOutput] = field(default_factory=list)
-    result: RequestOutput | None = None
-    error: BaseException | None = None
-    trace: str = ""
-    cancelled: bool = False
-    stopped: bool = False  # StopAsyncIteration
-    after_end: str = ""  # what a further anext gave after the end of an iteration
-    due: bool = False  # the model says it has ended (or will before the next rule)
-    task: asyncio.Task[None] | None = None
 
 
 @dataclass(eq=False)
@@ -525,26 +503,8 @@ class EngineMachine(RuleBasedStateMachine):
 
             self._expect(self._run(loop, go, "generate", record=False), "generate", None)
             return
-        # The stream is dropped at its first output: aborted at once.
         note(f"{req.rid}: async for out in engine.generate(...): break")
-        consumer = req.consumer = Consumer("inline_break")
-
-        async def body() -> None:
-            try:
-                async for out in engine.generate("prompt", params, request_id=req.rid):
-                    consumer.outputs.append(out)
-                    break
-            except asyncio.CancelledError:
-                consumer.cancelled = True
-            except Exception as exc:
-                _keep_error(consumer, exc)
-            finally:
-                consumer.done.set()
-
-        async def start() -> None:
-            consumer.task = asyncio.create_task(body())
-
-        self.loops[loop].call(start, "starting a consumer")
+        req.consumer = start_inline_break(self.loops[loop], engine, "prompt", params, req.rid)
 
     def _consumable(self) -> list[Req]:
         return [
@@ -557,14 +517,9 @@ class EngineMachine(RuleBasedStateMachine):
         return items[pick % len(items)]
 
     def _start_consumer(self, req: Req, kind: ConsumerKind) -> None:
-        consumer = req.consumer = Consumer(kind)
-        stream = req.stream
-        assert stream is not None
-
-        async def start() -> None:
-            consumer.task = asyncio.create_task(_consume(consumer, stream))
-
-        self.loops[req.loop].call(start, "starting a consumer")
+        assert req.stream is not None
+        req.consumer = Consumer(kind)
+        start_consumer(self.loops[req.loop], req.consumer, req.stream)
         self._feed(req)
 
     @precondition(lambda self: self._consumable())
@@ -1278,50 +1233,6 @@ def _holders(obj: object) -> list[str]:
         above = [type(h).__name__ for h in gc.get_referrers(holder)][:5]
         described.append(f"{type(holder).__name__} {str(holder)[:200]} <- {above}")
     return described
-
-
-def _keep_error(consumer: Consumer, exc: BaseException) -> None:
-    consumer.error = exc
-    consumer.trace = "".join(traceback.format_exception(exc))
-    # The traceback's frames hold the stream: let it go, as a user's handler would.
-    exc.__traceback__ = None
-
-
-async def _consume(consumer: Consumer, stream: RequestStream) -> None:
-    """Consume ``stream`` as ``consumer.kind`` says, recording what it gave."""
-    # RequestStream is its own async iterator (issue 13); typed loosely for the old code.
-    it: Any = stream
-    try:
-        if consumer.kind == "await":
-            consumer.result = await stream
-        elif consumer.kind == "iterate":
-            async for out in stream:
-                consumer.outputs.append(out)
-            try:
-                extra = await anext(aiter(stream))
-            except StopAsyncIteration:
-                consumer.after_end = "stop"
-            except Exception as exc:
-                consumer.after_end = repr(exc)
-            else:
-                consumer.after_end = f"another output: {extra}"
-        elif consumer.kind == "anext":
-            consumer.outputs.append(await anext(it))
-        elif consumer.kind == "anext_aiter":
-            consumer.outputs.append(await anext(aiter(stream)))
-        elif consumer.kind == "break_keep":
-            async for out in stream:
-                consumer.outputs.append(out)
-                break
-    except StopAsyncIteration:
-        consumer.stopped = True
-    except asyncio.CancelledError:
-        consumer.cancelled = True
-    except Exception as exc:
-        _keep_error(consumer, exc)
-    finally:
-        del stream, it
-        consumer.done.set()
 
 
 async def _hold(engine: AsyncEngine, hold: HoldRec) -> None:
