@@ -81,7 +81,9 @@ class EngineLike(Protocol):
 
     def get_num_unfinished_requests(self) -> int: ...
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False, /
+    ) -> bool: ...
 
 
 def is_engine_dead(error: BaseException) -> bool:

@@ -57,7 +57,7 @@ async def test_real_engine_worker_runs_off_the_model_cores_under_load(
     """Under load, the worker and vLLM's output thread on the CPUs no model worker is
     bound to; with the requests done, back on every CPU; the caller's thread never moved."""
     worker = engine._worker  # the one look inside: whose threads to read
-    bound = _bound_to_one_of_ours(worker._processes)
+    bound = _bound_to_one_of_ours(worker.processes)
     frontend = (OURS - bound) if bound and OURS - bound else OURS
     output_thread = await engine.run_on_engine(
         lambda e: e.engine_core.output_queue_thread.native_id

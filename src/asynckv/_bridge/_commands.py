@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._log import emit
 from .._types import PauseMode
@@ -24,15 +24,11 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
 
-    from .._loop._sink import _Sink
-    from .._worker._registry import Route
-    from .._worker._resume import Decoded
     from ._loops import Future, Loop
 
 __all__ = (
     "Abort",
     "Add",
-    "Adopt",
     "Call",
     "Command",
     "Hold",
@@ -41,11 +37,44 @@ __all__ = (
     "PauseMode",
     "Release",
     "Reply",
+    "Reset",
     "Resume",
+    "Sink",
     "fail_all",
 )
 
 _Callback = tuple[Callable[..., None], tuple[Any, ...]]
+
+
+class Sink(Protocol):
+    """Where one request's outputs go: what the worker posts to, on the request's loop.
+
+    The loop side's ``_Sink`` (``_loop/_sink.py``) is one; the worker never
+    calls these methods itself, it posts them to ``loop`` through an ``Outbox``.
+    """
+
+    @property
+    def loop(self) -> Loop:
+        """The loop the request was made on, where every call below runs."""
+        ...
+
+    @property
+    def request_id(self) -> str: ...
+
+    def push(self, out: RequestOutput) -> None:
+        """Take the request's next output."""
+
+    def resumed(self) -> None:
+        """Note that the request goes on, on a rebuilt engine."""
+
+    def aborting(self, why: str) -> None:
+        """Note why the request is being aborted (before its last outputs)."""
+
+    def abort(self) -> None:
+        """End the request as aborted (a no-op after a final output)."""
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with ``error``."""
 
 
 class Outbox:
@@ -64,13 +93,13 @@ class Outbox:
             batch = self._batches[loop] = []
         batch.append((fn, args))
 
-    def pushes(self, loop: Loop) -> list[tuple[_Sink, RequestOutput]]:
+    def pushes(self, loop: Loop) -> list[tuple[Sink, RequestOutput]]:
         """A list to fill with (sink, output) pairs, pushed in order at this point of the batch.
 
         A step's outputs go through it: one entry per loop instead of a bound
         method and an argument tuple per output.
         """
-        pairs: list[tuple[_Sink, RequestOutput]] = []
+        pairs: list[tuple[Sink, RequestOutput]] = []
         self.post(loop, _push_all, pairs)
         return pairs
 
@@ -96,7 +125,7 @@ def _run_batch(batch: list[_Callback]) -> None:
             emit(logging.ERROR, "delivery failed", callback=repr(fn), exc_info=exc)
 
 
-def _push_all(pairs: list[tuple[_Sink, RequestOutput]]) -> None:
+def _push_all(pairs: list[tuple[Sink, RequestOutput]]) -> None:
     for sink, out in pairs:
         try:
             sink.push(out)
@@ -142,7 +171,7 @@ class Add:
     prompt: Any
     params: SamplingParams
     kwargs: dict[str, Any]
-    sink: _Sink
+    sink: Sink
 
     def fail(self, outbox: Outbox, error: BaseException) -> None:
         outbox.post(self.sink.loop, self.sink.fail, error)
@@ -222,23 +251,20 @@ class Resume:
 
 
 @dataclass(eq=False)
-class Adopt:
-    """Continue a request of a pool member that died on this engine (pool failover).
+class Reset:
+    """Reset the prefix cache between two steps; ``reply`` gets vLLM's answer."""
 
-    ``route`` keeps the request's stream and ``Progress``; ``detokenizers``
-    are the dead engine's, taken before its shutdown.
-    """
-
-    request_id: str
-    route: Route
-    detokenizers: Decoded
-    cause: BaseException
+    running: bool
+    """Preempt the running requests too (they recompute)."""
+    connector: bool
+    """Reset the KV connector's cache too."""
+    reply: Reply
 
     def fail(self, outbox: Outbox, error: BaseException) -> None:
-        outbox.post(self.route.loop, self.route.sink.fail, error)
+        self.reply.fail(outbox, error)
 
 
-Command = Add | Abort | Adopt | Call | Hold | Release | Pause | Resume
+Command = Add | Abort | Call | Hold | Release | Pause | Reset | Resume
 
 
 def fail_all(commands: list[Command], error: BaseException) -> None:

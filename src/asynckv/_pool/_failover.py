@@ -20,9 +20,9 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .._bridge._commands import Adopt
 from .._errors import EngineClosedError, EngineDeadError
 from .._log import emit
+from .._worker._handoff import Adopt
 
 if TYPE_CHECKING:
     from .._loop._engine import AsyncEngine

@@ -3,7 +3,9 @@
 Runs on the worker thread only (it calls the ``LLMEngine``). ``Applier``
 applies each command of a pass, makes its control transition through the
 registry, and carries out the effects the transition returns: admitting and
-aborting requests, resets, the core's own pause, and the answers.
+aborting requests, resets, the core's own pause, and the answers. Every
+reset of the prefix cache, asked for (``Reset``) or made by a pause
+(``ResetCache``), goes through ``_reset`` and is logged there.
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ from typing import TYPE_CHECKING, assert_never
 from .._bridge._commands import (
     Abort,
     Add,
-    Adopt,
     Call,
-    Command,
     Hold,
     Outbox,
     Pause,
     Release,
     Reply,
+    Reset,
     Resume,
 )
 from .._errors import RequestNotResumedError
@@ -37,7 +38,8 @@ from .._vllm import (
 )
 from ._control import Abort as AbortParked
 from ._control import AbortAll, Admit, Answer, Effect, Fail, PauseCore, ResetCache, ResumeCore
-from ._registry import Route
+from ._handoff import Adopt, Order
+from ._registry import Changed, Refused, Route
 from ._resume import Progress
 
 if TYPE_CHECKING:
@@ -51,15 +53,22 @@ __all__ = ("Applier",)
 class Applier:
     """Applies commands and control effects to one engine (worker thread only)."""
 
-    def __init__(self, registry: Registry, counters: Counters) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        counters: Counters,
+        *,
+        tracking: bool,
+        faulted: Callable[[], bool],
+    ) -> None:
         self.registry = registry
         self.counters = counters
-        self.tracking = False
+        self.tracking = tracking
         """Whether requests keep a ``Progress`` (a restart policy is set)."""
-        self.faulted: Callable[[], bool] = lambda: False
+        self.faulted = faulted
         """Whether the watchdog saw the engine die (then a failing call is the death's)."""
 
-    def apply(self, engine: EngineLike, command: Command, outbox: Outbox) -> None:
+    def apply(self, engine: EngineLike, command: Order, outbox: Outbox) -> None:
         match command:
             case Add():
                 self.change(engine, outbox, lambda c: c.add(command), command)
@@ -103,6 +112,15 @@ class Applier:
                 )
             case Adopt():
                 self._adopt(engine, command, outbox)
+            case Reset():
+                try:
+                    done = self._reset(engine, command.running, command.connector)
+                except Exception as exc:
+                    if is_engine_dead(exc) or self.faulted():
+                        raise
+                    command.reply.fail(outbox, self.registry.dead_error or exc)
+                else:
+                    command.reply.ok(outbox, done)
             case Resume():
                 admitted = len(self.registry.control.parked)
                 self.change(engine, outbox, lambda c: c.resume(command.reply), command)
@@ -117,19 +135,19 @@ class Applier:
         engine: EngineLike,
         outbox: Outbox,
         transition: Transition,
-        command: Command | None,
+        command: Order | None,
     ) -> None:
         """Make a control transition and carry out its effects.
 
         Once ended (died or closed mid-pass), ``command`` gets the error instead.
         """
-        effects = self.registry.change(transition)
-        if isinstance(effects, BaseException):
-            if command is not None:
-                command.fail(outbox, effects)
-            return
-        for effect in effects:
-            self._carry_out(engine, effect, outbox)
+        match self.registry.change(transition):
+            case Changed(effects):
+                for effect in effects:
+                    self._carry_out(engine, effect, outbox)
+            case Refused(error):
+                if command is not None:
+                    command.fail(outbox, error)
 
     def _carry_out(self, engine: EngineLike, effect: Effect[Add, Reply], outbox: Outbox) -> None:
         match effect:
@@ -147,13 +165,26 @@ class Applier:
             case Fail():
                 effect.reply.fail(outbox, effect.error)
             case ResetCache():
-                engine.reset_prefix_cache(reset_running_requests=effect.running)
+                self._reset(engine, effect.running, False)
             case PauseCore():
                 pause_core_scheduler(engine, effect.clear_cache)
             case ResumeCore():
                 resume_core_scheduler(engine)
             case _:
                 assert_never(effect)
+
+    def _reset(self, engine: EngineLike, running: bool, connector: bool) -> bool:
+        in_flight = len(self.registry.routes)
+        done = bool(engine.reset_prefix_cache(running, connector))
+        emit(
+            logging.INFO if done else logging.WARNING,
+            "prefix cache reset",
+            result=done,
+            step=self.counters.steps,
+            reset_running_requests=running,
+            requests_preempted=in_flight if done and running else 0,
+        )
+        return done
 
     def _admit(self, engine: EngineLike, add: Add, outbox: Outbox) -> None:
         request_id = add.request_id

@@ -1,8 +1,8 @@
-"""The worker's counters, and the snapshot of them that ``stats()`` reads.
+"""The worker's counters, read by ``stats()`` and ``check_health()``.
 
 ``Counters`` is written by the worker thread only; any thread reads it
-through ``snapshot``, without a lock: each field is one word, so a snapshot
-never blocks, but its fields may come from two adjacent steps.
+(``stats``, ``Worker.health``) without a lock: each field is one word, so a
+read never blocks, but its fields may come from two adjacent steps.
 """
 
 from __future__ import annotations
@@ -12,11 +12,29 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from .._stats import EngineStats
+
 if TYPE_CHECKING:
     from .._bridge._loops import Loop
     from ._registry import Life
 
-__all__ = ("Counters", "Snapshot")
+__all__ = ("Counters", "Health", "Snapshot")
+
+
+class Health(NamedTuple):
+    """What ``check_health`` reads beyond ``EngineStats`` (any thread, no lock)."""
+
+    dead_error: BaseException | None
+    """The ``EngineDeadError`` if the engine died, even once closed after."""
+    restart_cause: BaseException | None
+    """While a dead engine is being rebuilt, the death that began it."""
+    in_step_since: float | None
+    """When the ``step()`` now running began (``perf_counter``)."""
+    last_step_end: float | None
+    busy_since: float
+    in_flight: int
+    held: bool
+    """Whether something stops the stepping (a ``paused()`` block, a "keep" pause)."""
 
 
 class Snapshot(NamedTuple):
@@ -71,6 +89,27 @@ class Counters:
         self.step_seconds_avg = interval if avg == 0.0 else 0.9 * avg + 0.1 * interval
         self.last_step_end = now
         self.steps += 1
+
+    def stats(
+        self, *, in_flight: int, waiting: int, paused: bool, commands_queued: int
+    ) -> EngineStats:
+        """These counters with the registry's states, as ``EngineStats`` (any thread)."""
+        avg, last = self.step_seconds_avg, self.last_step_end
+        return EngineStats(
+            steps=self.steps,
+            steps_per_second=1.0 / avg if avg else 0.0,
+            last_step_seconds=self.last_step_seconds,
+            seconds_since_last_step=None if last is None else time.perf_counter() - last,
+            requests_in_flight=in_flight,
+            requests_waiting=waiting,
+            paused=paused,
+            commands_queued=commands_queued,
+            outputs_delivered=self.outputs_delivered,
+            requests_finished=self.requests_finished,
+            requests_aborted=self.requests_aborted,
+            loops_served=len(self.loops),
+            restarts=self.restarts,
+        )
 
     def snapshot(
         self,

@@ -2,11 +2,11 @@
 
 Runs on the worker thread only, between the death of one engine and the
 first pass on the next, while the inbox stays open (commands wait there).
-``Recovery`` asks the policy's bookkeeping (``_restart.py``) whether to
-restart, reads what the dead engine decoded, rebuilds, and re-adds every
-unfinished request as its continuation (``_resume.py``). It never ends the
-registry itself: it returns why the engine is dead for good, and the worker
-dies with that.
+``Recovery`` asks the lifecycle (``_life.py``, through the registry) whether
+the policy allows a restart, reads what the dead engine decoded, rebuilds,
+and re-adds every unfinished request as its continuation (``_resume.py``).
+It never ends the registry itself: it returns a named result (``Rebuilt``,
+``GaveUp``, ``ClosedMeanwhile``), and the worker dies or serves with that.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._bridge._commands import Outbox
@@ -21,15 +22,33 @@ from .._errors import RequestNotResumedError
 from .._log import emit
 from .._types import RestartPolicy
 from .._vllm import EngineLike, detokenizers, pause_core_scheduler, shutdown_core
-from ._life import Deaths
-from ._registry import Life
+from ._life import Deaths, GiveUp, Rebuild
 
 if TYPE_CHECKING:
     from ._counters import Counters
     from ._registry import Registry
     from ._resume import Decoded
 
-__all__ = ("Recovery",)
+__all__ = ("ClosedMeanwhile", "GaveUp", "Rebuilt", "Recovery")
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuilt:
+    """The engine was built again and its requests re-added: serve it."""
+
+    engine: EngineLike
+
+
+@dataclass(frozen=True, slots=True)
+class GaveUp:
+    """The rebuild (or a re-add) failed: die with every death's cause, the failure last."""
+
+    causes: tuple[BaseException, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedMeanwhile:
+    """The worker was closed while the engine was rebuilt (the new one is shut down)."""
 
 
 class Recovery:
@@ -43,20 +62,22 @@ class Recovery:
         counters: Counters,
     ) -> None:
         self.deaths = Deaths(policy)
+        """Every death so far (replaced whole at each death)."""
         self._rebuild = rebuild
         self._registry = registry
         self._counters = counters
-        self.cause: BaseException | None = None
-        """While restarting: the death that began it (read by ``check_health``)."""
         self._down = 0.0
 
-    def died(self, cause: BaseException) -> tuple[BaseException, ...] | None:
-        """Note a death; None to restart, else every death's cause (beyond the policy)."""
+    def died(self, cause: BaseException) -> Rebuild | GiveUp:
+        """Note a death: ``Rebuild`` (the registry is ``Restarting``) or ``GiveUp``.
+
+        Gives up too once the worker has ended (dead or closed meanwhile).
+        """
         self._down = time.monotonic()
-        if not self.deaths.record(cause, self._down):
-            return tuple(self.deaths.causes)
-        self.cause = cause
-        self._registry.set_life(Life.RESTARTING)
+        action = self._registry.died(self.deaths, cause, self._down)
+        self.deaths = action.deaths
+        if isinstance(action, GiveUp):
+            return action
         emit(
             logging.WARNING,
             "engine died, restarting",
@@ -64,7 +85,7 @@ class Recovery:
             restart=self.deaths.restarts,
             requests=len(self._registry.routes),
         )
-        return None
+        return action
 
     def decoded(self, engine: EngineLike) -> Decoded:
         """The dead engine's detokenizers of each request (taken before its shutdown)."""
@@ -74,20 +95,19 @@ class Recovery:
                 decoded[engine_id] = detokenizers(engine, engine_id)
         return decoded
 
-    def rebuilt(self, decoded: Decoded) -> EngineLike | tuple[BaseException, ...] | None:
+    def rebuilt(self, decoded: Decoded) -> Rebuilt | GaveUp | ClosedMeanwhile:
         """Build the engine again and re-add every unfinished request.
 
-        Returns the new engine; or every death's cause, the failure last, if
-        the rebuild (or a re-add) failed; or None if the worker was closed meanwhile.
+        The registry stays ``Restarting`` until the worker serves the new engine.
         """
-        cause = self.cause
+        cause = self._registry.restart_cause
         try:
             engine = self._rebuild()
         except BaseException as exc:
-            return (*self.deaths.causes, exc)
+            return GaveUp((*self.deaths.causes, exc))
         if self._registry.ended:  # closed while rebuilding
             shutdown_core(engine)
-            return None
+            return ClosedMeanwhile()
         registry, outbox, resumed = self._registry, Outbox(), 0
         try:
             if registry.control.core_paused:  # a "keep" pause holds on the new core too
@@ -109,9 +129,8 @@ class Recovery:
         except BaseException as exc:
             shutdown_core(engine)
             outbox.flush()
-            return (*self.deaths.causes, exc)
+            return GaveUp((*self.deaths.causes, exc))
         self._counters.restarts += 1
-        self.cause = None
         emit(
             logging.WARNING,
             "engine restarted",
@@ -121,7 +140,7 @@ class Recovery:
             restarts=self._counters.restarts,
         )
         outbox.flush()
-        return engine
+        return Rebuilt(engine)
 
 
 def _name(cause: BaseException | None) -> str:

@@ -15,26 +15,22 @@ import enum
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from . import _life
 from ._control import Control, Effect
+from ._life import Closed, Dead, Deaths, GiveUp, New, Rebuild, Restarting, Running, Starting
 
 if TYPE_CHECKING:
-    from .._bridge._commands import Add, Command, Outbox, Reply
-    from .._bridge._inbox import Inbox
+    from .._bridge._commands import Add, Outbox, Reply, Sink
     from .._bridge._loops import Loop
-    from .._loop._sink import _Sink
     from ._resume import Progress
 
-__all__ = ("Ended", "Life", "Registry", "Route")
+__all__ = ("Changed", "Ended", "Life", "Refused", "Registry", "Route")
 
 
 class Life(enum.Enum):
-    """The worker's lifecycle: NEW -> STARTING -> RUNNING -> DEAD or CLOSED (DEAD -> CLOSED).
-
-    With a ``RestartPolicy``, RUNNING -> RESTARTING -> RUNNING while a dead
-    engine is rebuilt (RESTARTING -> DEAD or CLOSED too).
-    """
+    """The name of the lifecycle's state (``_life.py`` holds the states themselves)."""
 
     NEW = "new"
     STARTING = "starting"
@@ -44,11 +40,33 @@ class Life(enum.Enum):
     CLOSED = "closed"
 
 
+_NAMES: dict[type, Life] = {
+    New: Life.NEW,
+    Starting: Life.STARTING,
+    Running: Life.RUNNING,
+    Restarting: Life.RESTARTING,
+    Dead: Life.DEAD,
+    Closed: Life.CLOSED,
+}
+
+
+class Pending(Protocol):
+    """A command still queued: it can be answered with an error."""
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None: ...
+
+
+class Queue(Protocol):
+    """The registry's view of the worker's inbox: closed with the end's error."""
+
+    def close(self, error: BaseException) -> Iterable[Pending]: ...
+
+
 @dataclass(eq=False, slots=True)
 class Route:
     """Where one admitted request's outputs go."""
 
-    sink: _Sink
+    sink: Sink
     loop: Loop
     progress: Progress | None = None
     """What was sent, to resume it after a restart (only with a ``RestartPolicy``)."""
@@ -63,8 +81,8 @@ class Ended:
     """What an ``end`` took: everything that must now be answered with ``error``."""
 
     error: BaseException
-    commands: list[Command]
-    sinks: list[_Sink]
+    commands: list[Pending]
+    sinks: list[Sink]
     replies: list[Reply]
 
     def fail(self, outbox: Outbox) -> None:
@@ -82,52 +100,95 @@ if TYPE_CHECKING:
     Transition = Callable[[ControlState], tuple[ControlState, list[Effect[Add, Reply]]]]
 
 
+@dataclass(frozen=True, slots=True)
+class Changed:
+    """A control transition was made: carry out its effects."""
+
+    effects: list[Effect[Add, Reply]]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """No transition: the engine had ended; answer with ``error``."""
+
+    error: BaseException
+
+
 class Registry:
     """The routes, the admission/hold/pause state and the lifecycle of one worker.
 
-    ``control``, ``routes`` and ``life`` may be read from any thread without
+    ``control``, ``routes`` and ``state`` may be read from any thread without
     the lock (a reference or a length: one word); every change goes through
     a method here, under the lock.
     """
 
-    def __init__(self, inbox: Inbox[Command]) -> None:
+    def __init__(self, inbox: Queue) -> None:
         self._lock = threading.Lock()
         self._inbox = inbox
-        self.life = Life.NEW
+        self.state: _life.State = New()
+        """The lifecycle (``_life.py``): replaced whole, under the lock."""
         self.control: ControlState = Control()
         self.routes: dict[str, Route] = {}
         self.aliases: dict[str, Route] = {}
         """Engine ids of resumed completions (``n > 1``) -> their request's route."""
         self.stopped: list[str] = []
         """Engine requests ended by a stop string across a resume's join (to abort)."""
-        self.error: BaseException | None = None
+
+    @property
+    def error(self) -> BaseException | None:
         """Why it ended: the ``EngineClosedError`` or ``EngineDeadError`` (None while alive)."""
-        self.dead_error: BaseException | None = None
+        return _life.error_of(self.state)
+
+    @property
+    def dead_error(self) -> BaseException | None:
         """The ``EngineDeadError`` if the engine died, even once closed after."""
+        return _life.dead_error_of(self.state)
 
     @property
     def ended(self) -> bool:
         """Whether the engine is dead or closed."""
-        return self.error is not None
+        return isinstance(self.state, Dead | Closed)
 
-    def set_life(self, life: Life) -> None:
-        """Move NEW -> STARTING -> RUNNING (<-> RESTARTING); ignored once ended (worker thread)."""
+    @property
+    def restart_cause(self) -> BaseException | None:
+        """While a dead engine is being rebuilt, the death that began it; else None."""
+        state = self.state
+        return state.cause if isinstance(state, Restarting) else None
+
+    @property
+    def life(self) -> Life:
+        """The state's name."""
+        return _NAMES[type(self.state)]
+
+    def start(self) -> None:
+        """``start()`` was called (any thread)."""
         with self._lock:
-            if self.error is None:
-                self.life = life
+            self.state = _life.start(self.state)
+
+    def running(self) -> None:
+        """An engine is served, first or rebuilt (worker thread)."""
+        with self._lock:
+            self.state = _life.running(self.state)
+
+    def died(self, deaths: Deaths, cause: BaseException, now: float) -> Rebuild | GiveUp:
+        """A death under a restart policy: move to ``Restarting`` or say to give up (worker)."""
+        with self._lock:
+            self.state, action = _life.died(self.state, deaths, cause, now)
+            return action
 
     def set_core(self, core: bool) -> None:
         """Record, once the engine is built, whether it has an engine-core process."""
         with self._lock:
             self.control = Control(core=core)
 
-    def change(self, transition: Transition) -> list[Effect[Add, Reply]] | BaseException:
+    def change(self, transition: Transition) -> Changed | Refused:
         """Make a control transition and return its effects, or the error if ended."""
         with self._lock:
-            if self.error is not None:
-                return self.error
+            error = self.error
+            if error is not None:
+                return Refused(error)
             self.control, effects = transition(self.control)
-            return effects
+            return Changed(effects)
 
     def add_route(self, request_id: str, route: Route) -> BaseException | None:
         """Route an admitted request's outputs; returns the error instead if ended."""
@@ -175,7 +236,7 @@ class Registry:
         delivered = finished = 0
         # Usually every stream is on one loop: its list of pushes is looked up once.
         last: Loop | None = None
-        pushes: list[tuple[_Sink, Any]] = []
+        pushes: list[tuple[Sink, Any]] = []
         with self._lock:
             routes = self.routes
             for out in outputs:
@@ -217,22 +278,20 @@ class Registry:
             self.control = self.control.forget(lambda add: add.sink.loop is loop)
         return engine_ids
 
-    def end(self, life: Life, error: BaseException) -> Ended | None:
-        """Die or close: refuse every later command and take everything that waits.
+    def end(self, closing: bool, error: BaseException) -> Ended | None:
+        """Die (``closing`` False) or close: refuse every later command, take what waits.
 
-        Returns None if already ended that way (idempotent); a close after a
-        death only records the close.
+        Returns None if that changes nothing (a death once ended, a close once
+        closed); a close after a death only records the close.
         """
         with self._lock:
-            if self.life is Life.CLOSED or (self.life is Life.DEAD and life is Life.DEAD):
+            before = self.state
+            end = _life.close if closing else _life.die
+            self.state, first = end(before, error)
+            if self.state is before:
                 return None
-            first = self.error is None
-            self.life = life
-            if life is Life.DEAD:
-                self.dead_error = error
             if not first:
                 return Ended(error, [], [], [])
-            self.error = error
             commands = list(self._inbox.close(error))
             parked, replies = self.control.waiting()
             sinks = [route.sink for route in self.routes.values()]

@@ -1,19 +1,41 @@
 """The worker thread: sole owner of the ``LLMEngine``, its lifecycle and restarts.
 
-Everything in ``Worker._run`` and below runs on the worker thread, which is
+Everything in ``Worker._main`` and below runs on the worker thread, which is
 the only thread that ever calls the engine; the public methods (``start``,
-``close``, ``die``, ``snapshot``) may be called from any thread. ``_run``
-builds the engine and serves it: ``_serve`` starts the watchdog, answers
-``start()``, then runs the step loop (``_step_loop.py``: commands, step,
-dispatch) until the engine is closed or dies. Admission, holds and pauses
-are the pure state machine of ``_control.py``; what waits for an answer lives
-in the ``Registry``, whose lock ``die`` and ``close`` take from other threads.
+``close``, ``die``, ``stats``, ``health``) may be called from any thread.
+``_main`` builds the engine and serves it: ``_serve`` starts the watchdog, answers
+``start()``, then runs the step loop (``_loop``: commands, step, dispatch)
+until the engine is closed or dies. One built engine and what belongs to it
+(its generation, the watchdog's fault, the commands to carry over, the
+output hook) is an ``EngineRun`` (``_run.py``), replaced whole by a rebuild.
+Admission, holds and pauses are the pure state machine of ``_control.py``;
+what waits for an answer lives in the ``Registry``, whose lock ``die`` and
+``close`` take from other threads.
 
 With a ``RestartPolicy`` a death doesn't end the streams: the worker keeps
 the inbox open (commands wait there), rebuilds the engine, re-adds every
 unfinished request as its continuation (``_resume.py``), and serves again;
 the commands it was applying when the engine died are applied again first.
-``_restart.py`` decides, at each death, whether the policy allows it.
+The lifecycle (``_life.py``, a pure machine kept in the ``Registry``)
+decides, at each death, whether the policy allows it; ``Recovery``
+(``_recover.py``) rebuilds.
+
+The step loop: each pass takes the inbox's commands in FIFO order and
+applies them, answers them, then steps once if requests are unfinished and
+nothing stops the stepping; otherwise it sleeps on the inbox, so an idle
+engine costs no CPU. It answers the loops only through an ``Outbox``.
+
+With vLLM's engine-core process, ``step()`` blocks until the core's next
+output. The worker doesn't wait there: it sleeps on the inbox until a command
+*or* that output arrives (vLLM's output thread nudges the inbox,
+``EngineRun.output_arrived``), and steps once the output is there. That nudge
+is a hook into vLLM's internals, so every such sleep is bounded: were the
+hook to stop firing, the worker would only poll, and before the hook has
+ever fired it steps anyway (blocking, as without the hook).
+
+A death the watchdog reports, or an engine that raises mid-command, ends the
+loop by raising; with a ``RestartPolicy`` the commands not yet applied are
+kept in the run's ``carry``, to be applied first on the new engine.
 Under load the worker thread keeps off the cores the model workers are bound
 to (``_placement.py``); it gets every CPU back before a rebuild.
 """
@@ -28,41 +50,37 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._bridge._commands import Command, Outbox, Reply
+from .._bridge._commands import Outbox, Reply
 from .._bridge._inbox import Inbox
+from .._bridge._loops import Loop
 from .._errors import EngineClosedError, EngineDeadError
 from .._log import emit
+from .._stats import EngineStats
 from .._types import RestartPolicy
-from .._vllm import (
-    EngineLike,
-    engine_processes,
-    has_core_process,
-    shutdown_core,
-    watch_outputs,
-)
+from .._vllm import EngineLike, has_core_process, shutdown_core
 from . import _watchdog
 from ._apply import Applier
-from ._counters import Counters, Snapshot
+from ._counters import Counters, Health, Snapshot
+from ._handoff import Handoff, Order
+from ._life import GiveUp
 from ._placement import Placement
-from ._recover import Recovery
-from ._registry import Life, Registry
+from ._recover import ClosedMeanwhile, GaveUp, Rebuilt, Recovery
+from ._registry import Registry
 from ._resume import Decoded
-from ._step_loop import StepLoop
+from ._run import EngineRun
 from ._steps import StepHub
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from ._registry import Route
-
-
 __all__ = ("Handoff", "Worker")
 
-Handoff = Callable[[list[tuple[str, "Route"]], Decoded, BaseException], list[tuple[str, "Route"]]]
-"""A pool's failover: (routes, detokenizers, cause) -> the routes it could not place."""
+# Bounds on the sleep while the core computes (see the module docstring).
+_POLL_SECONDS = 0.05  # once the output hook has fired: a silent hook only slows us
+_FIRST_WAIT_SECONDS = 0.02  # before it ever fired: then step (and block) anyway
 
 
-class Worker(StepLoop):
+class Worker:
     """Owns one engine on a thread of its own; see the module docstring."""
 
     def __init__(
@@ -73,59 +91,90 @@ class Worker(StepLoop):
         rebuild: Callable[[], EngineLike] | None = None,
         keep_off_model_cores: bool = True,
     ) -> None:
-        self.inbox: Inbox[Command] = Inbox()
+        self.inbox: Inbox[Order] = Inbox()
         self.registry = Registry(self.inbox)
         self.counters = Counters()
-        """Written by the worker only; read by anyone (``snapshot``)."""
+        """Written by the worker only; read by anyone (``stats``, ``health``)."""
         self.steps = StepHub()
         """The readers of ``engine.steps()``: a record per step while there are any."""
         self._build = build
         self._freeze_gc = freeze_gc
         self.placement = Placement(keep_off_model_cores)
         """The worker thread's CPUs (``_placement.py``): changed by the worker only."""
-        self._processes: list[BaseProcess] = []
         self._closing = threading.Event()  # wakes the watchdog on close
-        self._thread = threading.Thread(target=self._run, name="asynckv-engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="asynckv-engine", daemon=True)
         self._started: Reply | None = None
-        # Multiprocess mode: whether the core's next output is waiting (see StepLoop._wait).
-        self._output_ready: Callable[[], bool] | None = None
-        self._hook_fired = False
-        self._applier = Applier(self.registry, self.counters)
-        # -- restarts (only with a policy) --
+        self._run: EngineRun | None = None
+        """The engine served now (None until built): replaced whole by a rebuild (worker)."""
+        self._applier = Applier(
+            self.registry, self.counters, tracking=restart is not None, faulted=self._faulted
+        )
         self._recovery = (
             None
             if restart is None
             else Recovery(restart, rebuild or build, self.registry, self.counters)
         )
-        self._generation = 0  # which engine the watchdog's reports are about
-        self._fault: BaseException | None = None
-        """A death the watchdog saw (written there, read by the worker: one word)."""
-        self._carry: deque[Command] = deque()  # commands to apply again on the new engine
-        self._left = threading.Event()  # set once the worker leaves the current engine
         self.handoff: Handoff | None = None
         """Set by a pool: hands a dead engine's requests to a live member, returns the rest."""
-        self.forwarded: dict[str, Inbox[Command]] = {}
+        self.forwarded: dict[str, Inbox[Order]] = {}
         """Request id -> the inbox of the pool member that adopted it (aborts go there)."""
-        self._applier.tracking = restart is not None
-        self._applier.faulted = lambda: self._fault is not None
 
     # -- any thread ----------------------------------------------------------------
 
     def start(self, reply: Reply | None) -> None:
         """Start the thread; it builds the engine, then answers ``reply``."""
         self._started = reply
-        self.registry.set_life(Life.STARTING)
+        self.registry.start()
         self._thread.start()
 
     @property
     def restart_cause(self) -> BaseException | None:
         """While a dead engine is being rebuilt, the death that began it; else None."""
-        return None if self._recovery is None else self._recovery.cause
+        return self.registry.restart_cause
+
+    @property
+    def restarting(self) -> bool:
+        """Whether a dead engine is being rebuilt now."""
+        return self.registry.restart_cause is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """The ``EngineDeadError`` if the engine died, even once closed after; else None."""
+        return self.registry.dead_error
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        """The engine processes of the engine served now (none before it is built)."""
+        run = self._run
+        return [] if run is None else run.processes
 
     @property
     def started(self) -> bool:
         """Whether ``start`` was called."""
         return self._thread.ident is not None
+
+    def stats(self) -> EngineStats:
+        """The counters and states now, read without a lock (fields may span two steps)."""
+        registry, control = self.registry, self.registry.control
+        return self.counters.stats(
+            in_flight=len(registry.routes),
+            waiting=len(control.parked),
+            paused=not control.admitting or not control.stepping,
+            commands_queued=len(self.inbox),
+        )
+
+    def health(self) -> Health:
+        """What ``check_health`` reads, without a lock (fields may span two steps)."""
+        registry, counters = self.registry, self.counters
+        return Health(
+            dead_error=registry.dead_error,
+            restart_cause=registry.restart_cause,
+            in_step_since=counters.in_step_since,
+            last_step_end=counters.last_step_end,
+            busy_since=counters.busy_since,
+            in_flight=len(registry.routes),
+            held=not registry.control.stepping,
+        )
 
     def snapshot(self) -> Snapshot:
         """The counters and states now, read without a lock (fields may span two steps)."""
@@ -147,12 +196,14 @@ class Worker(StepLoop):
         ``timeout`` seconds even if the worker is stuck inside ``step()``: then the
         engine processes are killed and the (daemon) thread is left behind.
         """
-        self._end(Life.CLOSED, EngineClosedError())
+        self._end(True, EngineClosedError())
         self._closing.set()
-        self._left.set()
+        run = self._run
+        if run is not None:
+            run.left.set()
         if self.started and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        for process in self._processes:
+        for process in self.processes:  # a rebuild may have replaced the run meanwhile
             if process.is_alive():
                 try:
                     process.kill()
@@ -167,18 +218,16 @@ class Worker(StepLoop):
         Idempotent, any thread. Ignored once closed: a close kills the processes.
         ``deaths``: every death's cause, when a restart policy is spent.
         """
-        if self._end(Life.DEAD, EngineDeadError(cause, deaths)):
+        if self._end(False, EngineDeadError(cause, deaths)):
             emit(logging.ERROR, "engine dead", error=str(self.registry.error), exc_info=cause)
 
-    def _core_died(self, generation: int, cause: BaseException) -> None:
-        # The watchdog, with a restart policy: the worker restarts (it notices at
-        # its next pass, or its blocked step() raises ``cause``).
-        if generation == self._generation:
-            self._fault = cause
-            self.inbox.nudge()
+    def _faulted(self) -> bool:
+        # The Applier asks: did the watchdog see the engine die? (one word each)
+        run = self._run
+        return run is not None and run.fault is not None
 
-    def _end(self, life: Life, error: BaseException) -> bool:
-        ended = self.registry.end(life, error)
+    def _end(self, closing: bool, error: BaseException) -> bool:
+        ended = self.registry.end(closing, error)
         if ended is None:
             return False
         outbox = Outbox()
@@ -187,9 +236,9 @@ class Worker(StepLoop):
         outbox.flush()
         return True
 
-    # -- the thread ----------------------------------------------------------------
+    # -- the thread: builds, serves, restarts ------------------------------------------
 
-    def _run(self) -> None:
+    def _main(self) -> None:
         outbox = Outbox()
         began = time.monotonic()
         emit(logging.INFO, "engine starting")
@@ -201,70 +250,188 @@ class Worker(StepLoop):
             self.die(exc)
             outbox.flush()
             return
-        first = True
+        run = EngineRun(engine, 0, self.inbox.nudge)
         while True:
-            decoded: Decoded = {}
             try:
-                self._serve(engine, outbox, began, first)
+                self._serve(run, outbox, began)
                 return
             except BaseException as exc:  # step() or the engine broke: the engine is dead
-                cause = self._fault or exc
-                recovery = self._recovery
-                if recovery is None or self.registry.ended:
-                    self.die(cause)
-                    return
-                if (deaths := recovery.died(cause)) is not None:
-                    self.die(cause, deaths)
-                    return
-                decoded = recovery.decoded(engine)
-                if self.handoff is not None and self.registry.routes:
-                    kept = self.handoff(self.registry.take_routes(), decoded, cause)
-                    self.registry.put_routes(kept)
+                cause = run.fault or exc
+                decoded = self._died(run, cause)
             finally:
-                self._left.set()
-                shutdown_core(engine)
+                run.left.set()
+                shutdown_core(run.engine)
                 # The next engine's processes are started from this thread: all CPUs.
                 self.placement.release()
-            self._generation += 1
-            self._fault = None
-            self._left = threading.Event()
-            rebuilt = recovery.rebuilt(decoded)
-            if isinstance(rebuilt, tuple):
-                self.die(rebuilt[-1], rebuilt)
-            if rebuilt is None or isinstance(rebuilt, tuple):
+            if decoded is None:
                 return
-            engine, first = rebuilt, False
+            assert self._recovery is not None  # no decoded without one
+            match self._recovery.rebuilt(decoded):
+                case Rebuilt(rebuilt):
+                    run = EngineRun(rebuilt, run.generation + 1, self.inbox.nudge, run.carry)
+                case GaveUp(causes):
+                    self.die(causes[-1], causes)
+                    return
+                case ClosedMeanwhile():
+                    return
 
-    def _serve(self, engine: EngineLike, outbox: Outbox, began: float, first: bool = True) -> None:
-        self._processes = engine_processes(engine)
-        self.placement.attach(engine, self._processes)
+    def _died(self, run: EngineRun, cause: BaseException) -> Decoded | None:
+        """The engine died: die, or say what it decoded to rebuild (before its shutdown).
+
+        With a pool, the requests go to a live member first (``handoff``).
+        """
+        recovery = self._recovery
+        if recovery is None:
+            self.die(cause)
+            return None
+        action = recovery.died(cause)
+        if isinstance(action, GiveUp):
+            self.die(cause, action.deaths.causes)
+            return None
+        decoded = recovery.decoded(run.engine)
+        if self.handoff is not None and self.registry.routes:
+            kept = self.handoff(self.registry.take_routes(), decoded, cause)
+            self.registry.put_routes(kept)
+        return decoded
+
+    def _serve(self, run: EngineRun, outbox: Outbox, began: float) -> None:
+        engine, first = run.engine, run.generation == 0
+        self._run = run
+        if self._closing.is_set():  # closed before this run was seen: stop its watchdog
+            run.left.set()
+        self.placement.attach(engine, run.processes)
         if first:
             self.registry.set_core(has_core_process(engine))
-        self._hook_fired = False
-        self._output_ready = watch_outputs(engine, self._output_arrived)
-        if self._freeze_gc and first:
-            _freeze_heap()
-        generation = self._generation
-        if self._recovery is None:
-            on_death: Callable[[BaseException], None] = self.die
-        else:
-            on_death = lambda cause: self._core_died(generation, cause)  # noqa: E731
-        _watchdog.start(self._processes, engine, on_death, self._left, self._thread)
-        self.registry.set_life(Life.RUNNING)
-        if not first:
-            self._loop(engine)
-            return
-        emit(
-            logging.INFO,
-            "engine started",
-            model=getattr(getattr(engine, "model_config", None), "model", None),
-            mode="multiprocess" if self._processes else "in-process",
-            seconds=round(time.monotonic() - began, 3),
-        )
-        if self._started is not None:
-            self._started.ok(outbox)
-        outbox.flush()
-        self._loop(engine)
+            if self._freeze_gc:
+                _freeze_heap()
+        on_death = self.die if self._recovery is None else run.died
+        _watchdog.start(run.processes, engine, on_death, run.left, self._thread)
+        self.registry.running()
+        if first:
+            emit(
+                logging.INFO,
+                "engine started",
+                model=getattr(getattr(engine, "model_config", None), "model", None),
+                mode="multiprocess" if run.processes else "in-process",
+                seconds=round(time.monotonic() - began, 3),
+            )
+            if self._started is not None:
+                self._started.ok(outbox)
+            outbox.flush()
+        self._loop(run)
+
+    # -- the step loop ---------------------------------------------------------------
+
+    def _loop(self, run: EngineRun) -> None:
+        engine, inbox = run.engine, self.inbox
+        while not inbox.closed:
+            commands, step_anyway = self._wait(run)
+            if run.fault is not None:
+                run.carry.extend(commands)
+                raise run.fault
+            outbox = Outbox()
+            while commands:
+                if run.fault is not None:
+                    # The core died mid-batch (the watchdog): the rest waits for the new one.
+                    run.carry.extend(commands)
+                    outbox.flush()
+                    raise run.fault
+                if self.registry.ended:
+                    # Died mid-batch (the watchdog): the rest must not reach the dead core.
+                    error = self.registry.error or EngineDeadError(RuntimeError("ended"))
+                    for command in commands:
+                        command.fail(outbox, error)
+                    break
+                command = commands.popleft()
+                try:
+                    self._applier.apply(engine, command, outbox)
+                except BaseException as exc:
+                    if self._recovery is not None and not self.registry.ended:
+                        # Restarting: the command is applied again on the new engine.
+                        run.carry.extend((command, *commands))
+                        outbox.flush()
+                        raise
+                    # The engine broke mid-command: die() can't see this batch.
+                    self.die(exc)
+                    error = self.registry.error or exc
+                    for failed in (command, *commands):
+                        failed.fail(outbox, error)
+                    outbox.flush()
+                    raise
+            # Before the answers go out: an abort or close may have ended the load.
+            self.placement.follow(len(self.registry.routes))
+            if outbox:
+                # Answer the commands before stepping: a step can take long, or
+                # (a request vLLM took but its core dropped) never return.
+                self._flush(engine, outbox)
+            stepping = not inbox.closed and self._may_step(engine)
+            if stepping and (step_anyway or run.output_waiting()):
+                self._step(engine, outbox)
+            self._flush(engine, outbox)
+
+    def _wait(self, run: EngineRun) -> tuple[deque[Order], bool]:
+        """Take the next commands, sleeping as long as nothing else is due.
+
+        Returns them, and whether to step even if no output is known to wait.
+        """
+        if run.carry:
+            carried, run.carry = run.carry, deque()
+            carried.extend(self.inbox.take(block=False))
+            return carried, False
+        if not self._may_step(run.engine):
+            return self.inbox.take(block=True), False
+        if run.output_waiting():
+            return self.inbox.take(block=False), False
+        if run.hook_fired:
+            return self.inbox.take(block=True, timeout=_POLL_SECONDS), False
+        began = time.monotonic()
+        commands = self.inbox.take(block=True, timeout=_FIRST_WAIT_SECONDS)
+        waited = time.monotonic() - began >= _FIRST_WAIT_SECONDS
+        return commands, waited and not run.hook_fired
+
+    def _may_step(self, engine: EngineLike) -> bool:
+        return self.registry.control.stepping and engine.has_unfinished_requests()
+
+    def _step(self, engine: EngineLike, outbox: Outbox) -> None:
+        counters = self.counters
+        feeds = self.steps.feeds  # nobody listening: no telemetry at all
+        if feeds:
+            self.steps.before(engine)
+        began = counters.in_step_since = time.perf_counter()
+        outputs = engine.step()
+        counters.in_step_since = None
+        counters.count_step(began)
+        if feeds:
+            self.steps.after(counters.steps, outputs, outbox)
+        delivered, finished = self.registry.dispatch(outputs, outbox)
+        counters.outputs_delivered += delivered
+        counters.requests_finished += finished
+        self.placement.follow(len(self.registry.routes))
+        if self.registry.stopped:
+            # A resumed completion ended by a stop string across its join.
+            stopped, self.registry.stopped = self.registry.stopped, []
+            engine.abort_request(stopped)
+        if self.registry.control.pending:
+            steps = counters.steps
+            self._applier.change(engine, outbox, lambda c: c.stepped(steps), None)
+
+    def _flush(self, engine: EngineLike, outbox: Outbox) -> None:
+        """Send the loops their answers, then settle what the pass changed.
+
+        A closed loop's requests are aborted here; and whatever ended the last
+        request in flight (a step, an abort, a closed loop) ends a "wait" pause
+        now, not at a step that may never come.
+        """
+        for loop in outbox.flush():
+            self._forget(engine, loop)
+        if self.registry.control.drains and not engine.has_unfinished_requests():
+            self._applier.change(engine, outbox, lambda c: c.drained(), None)
+            for loop in outbox.flush():
+                self._forget(engine, loop)
+
+    def _forget(self, engine: EngineLike, loop: Loop) -> None:
+        self._applier.forget_loop(engine, loop)
+        self.steps.forget(loop)
 
 
 def _freeze_heap() -> None:
