@@ -1,15 +1,18 @@
-"""EngineStats: a snapshot of the worker's counters, read without asking the worker.
+"""The public records of what the engine did: ``EngineStats`` and ``StepRecord``.
 
-The worker thread writes the counters; any thread reads them. Each field is
-one machine word read without a lock, so a snapshot is cheap and never blocks
-the loop, but its fields may come from two adjacent steps.
+Runs nowhere: frozen values. The worker thread makes them (``stats()`` reads
+its counters from any thread, each field one machine word read without a
+lock, so a snapshot is cheap and never blocks the loop, but its fields may
+come from two adjacent steps); a ``StepRecord`` reaches its reader's loop in
+the worker's batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ("EngineStats",)
+__all__ = ("EngineStats", "StepRecord")
 
 
 class EngineStats(NamedTuple):
@@ -61,3 +64,37 @@ class EngineStats(NamedTuple):
             loops_served=max(s.loops_served for s in each),
             restarts=sum(s.restarts for s in each),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one engine step did, as the worker saw it.
+
+    With vLLM's engine-core process (the default), a "step" is one call of
+    ``LLMEngine.step()`` on the worker: it collects one output of the core,
+    which schedules and runs on its own, and the counts are those of that
+    output. In-process, it is the core's step itself.
+    """
+
+    step: int
+    """The worker's step count after this step (1 for the first; ``stats().steps``)."""
+    started: float
+    """When ``step()`` was called (``time.monotonic``)."""
+    duration: float
+    """Seconds the worker spent in ``step()`` (in-process: the whole step)."""
+    requests: int
+    """Requests that got tokens in this step."""
+    tokens: int
+    """Tokens produced in this step, over all requests."""
+    prefill: int
+    """Of ``requests``, those whose prompt was processed in this step (their first token)."""
+    decode: int
+    """Of ``requests``, those that were decoding."""
+    finished: int
+    """Requests that finished in this step."""
+    preemptions: int | None
+    """Preemptions vLLM reported in this step's outputs; None where it reports none (stats off)."""
+    running: int | None
+    """Requests the core's scheduler had running, if vLLM reported it (stats on)."""
+    waiting: int | None
+    """Requests waiting in the core's scheduler, if vLLM reported it (stats on)."""

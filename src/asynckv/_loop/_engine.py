@@ -4,8 +4,8 @@ Every method here runs on the caller's thread, usually an event loop
 (asyncio or trio), and never touches the ``LLMEngine``: it puts a command in
 the worker's inbox and, for the awaitable ones, waits for the answer on the
 caller's loop. The sync ``shutdown()`` may run on any thread; ``stats``,
-``check_health`` and the state properties read the worker's snapshot, from
-any thread, without waiting for it. The ``AsyncLLM`` calls that are only
+``check_health`` and the state properties read the worker's counters and
+state, from any thread, without waiting for it. The ``AsyncLLM`` calls that are only
 ``run_on_engine``, and the build-time properties, are in ``_asyncllm.py``.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import logging
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,7 +23,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.usage.usage_lib import UsageContext
 
 from .._bridge import _loops
-from .._bridge._commands import Abort, Add, Call, Hold, Pause, Release, Reply, Resume
+from .._bridge._commands import Abort, Add, Call, Hold, Pause, Release, Reply, Reset, Resume
 from .._errors import (
     EngineClosedError,
     EngineDeadError,
@@ -32,16 +31,14 @@ from .._errors import (
     EngineRestartingError,
     EngineStalledError,
 )
-from .._log import emit
 from .._stats import EngineStats
 from .._types import PauseMode, RestartPolicy
-from .._worker._registry import Life
-from .._worker._steps import StepStream
 from .._worker._worker import Worker
 from . import _checks
 from ._asyncllm import AsyncLLMMethods, BuildRecord, BuildTime
 from ._requests import engine_options, pump
 from ._sink import _Sink
+from ._steps import StepStream
 from ._stream import RequestStream
 
 if TYPE_CHECKING:
@@ -515,23 +512,8 @@ class AsyncEngine(AsyncLLMMethods):
         ``reset_running_requests`` is False. With it True, running requests are
         preempted and recomputed, and finish as they would have without the reset.
         """
-        worker = self._worker
-
-        def reset(engine: LLMEngine) -> bool:
-            # On the worker thread, between two steps.
-            in_flight = len(worker.registry.routes)
-            done = bool(engine.reset_prefix_cache(reset_running_requests, reset_connector))
-            emit(
-                logging.INFO if done else logging.WARNING,
-                "prefix cache reset",
-                result=done,
-                step=worker.counters.steps,
-                reset_running_requests=reset_running_requests,
-                requests_preempted=in_flight if done and reset_running_requests else 0,
-            )
-            return done
-
-        result: bool = await self.run_on_engine(reset)
+        running, connector = reset_running_requests, reset_connector
+        result: bool = await self._ask(lambda reply: Reset(running, connector, reply))
         return result
 
     def steps(self, buffer: int = 1024) -> StepStream:
@@ -561,23 +543,7 @@ class AsyncEngine(AsyncLLMMethods):
 
         Safe from any thread; never blocks. See ``EngineStats`` for the fields.
         """
-        snap = self._worker.snapshot()
-        last = snap.last_step_end
-        return EngineStats(
-            steps=snap.steps,
-            steps_per_second=snap.steps_per_second,
-            last_step_seconds=snap.last_step_seconds,
-            seconds_since_last_step=None if last is None else time.perf_counter() - last,
-            requests_in_flight=snap.in_flight,
-            requests_waiting=snap.waiting,
-            paused=snap.admission_paused or snap.held,
-            commands_queued=snap.commands_queued,
-            outputs_delivered=snap.outputs_delivered,
-            requests_finished=snap.requests_finished,
-            requests_aborted=snap.requests_aborted,
-            loops_served=snap.loops_served,
-            restarts=snap.restarts,
-        )
+        return self._worker.stats()
 
     @property
     def step_count(self) -> int:
@@ -650,7 +616,7 @@ class AsyncEngine(AsyncLLMMethods):
     async def is_paused(self) -> bool:
         """Whether ``pause_generation()`` is in force."""
         self._check_open()
-        return self._worker.snapshot().admission_paused
+        return self._worker.admission_paused
 
     # -- health ----------------------------------------------------------------------
 
@@ -670,11 +636,11 @@ class AsyncEngine(AsyncLLMMethods):
                 completed for that long.
         """
         self._check_open()
-        snap = self._worker.snapshot()
+        snap = self._worker.health()
         if (error := snap.dead_error) is not None:
             raise error
-        if snap.life is Life.RESTARTING:
-            raise EngineRestartingError(self._worker.restart_cause)
+        if snap.restart_cause is not None:
+            raise EngineRestartingError(snap.restart_cause)
         if stall_timeout is None:
             return
         now = time.perf_counter()
@@ -691,15 +657,15 @@ class AsyncEngine(AsyncLLMMethods):
     @property
     def restarting(self) -> bool:
         """Whether a dead engine is being rebuilt now (``RestartPolicy``): degraded, not dead."""
-        return self._worker.registry.life is Life.RESTARTING
+        return self._worker.restarting
 
     @property
     def errored(self) -> bool:
         """Whether the engine has died."""
-        return self._worker.registry.dead_error is not None
+        return self._worker.dead_error is not None
 
     @property
     def dead_error(self) -> BaseException:
         """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
-        error = self._worker.registry.dead_error
+        error = self._worker.dead_error
         return error or EngineDeadError(RuntimeError("the engine is alive"))

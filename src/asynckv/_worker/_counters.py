@@ -16,9 +16,8 @@ from .._stats import EngineStats
 
 if TYPE_CHECKING:
     from .._bridge._loops import Loop
-    from ._registry import Life
 
-__all__ = ("Counters", "Health", "Snapshot")
+__all__ = ("Counters", "Health")
 
 
 class Health(NamedTuple):
@@ -35,29 +34,6 @@ class Health(NamedTuple):
     in_flight: int
     held: bool
     """Whether something stops the stepping (a ``paused()`` block, a "keep" pause)."""
-
-
-class Snapshot(NamedTuple):
-    """The worker's counters and states at one moment."""
-
-    life: Life
-    dead_error: BaseException | None
-    steps: int
-    steps_per_second: float
-    last_step_seconds: float
-    last_step_end: float | None
-    busy_since: float
-    in_step_since: float | None
-    in_flight: int
-    waiting: int
-    admission_paused: bool
-    held: bool
-    commands_queued: int
-    outputs_delivered: int
-    requests_finished: int
-    requests_aborted: int
-    loops_served: int
-    restarts: int
 
 
 @dataclass(slots=True)
@@ -103,40 +79,6 @@ class Counters:
             requests_in_flight=in_flight,
             requests_waiting=waiting,
             paused=paused,
-            commands_queued=commands_queued,
-            outputs_delivered=self.outputs_delivered,
-            requests_finished=self.requests_finished,
-            requests_aborted=self.requests_aborted,
-            loops_served=len(self.loops),
-            restarts=self.restarts,
-        )
-
-    def snapshot(
-        self,
-        *,
-        life: Life,
-        dead_error: BaseException | None,
-        in_flight: int,
-        waiting: int,
-        admission_paused: bool,
-        held: bool,
-        commands_queued: int,
-    ) -> Snapshot:
-        """These counters with the registry's states (any thread)."""
-        avg = self.step_seconds_avg
-        return Snapshot(
-            life=life,
-            dead_error=dead_error,
-            steps=self.steps,
-            steps_per_second=1.0 / avg if avg else 0.0,
-            last_step_seconds=self.last_step_seconds,
-            last_step_end=self.last_step_end,
-            busy_since=self.busy_since,
-            in_step_since=self.in_step_since,
-            in_flight=in_flight,
-            waiting=waiting,
-            admission_paused=admission_paused,
-            held=held,
             commands_queued=commands_queued,
             outputs_delivered=self.outputs_delivered,
             requests_finished=self.requests_finished,

@@ -11,7 +11,6 @@ method it calls, which then answers it with ``error``.
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,35 +18,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _life
 from ._control import Control, Effect
-from ._life import Closed, Dead, Deaths, GiveUp, New, Rebuild, Restarting, Running, Starting
+from ._life import Closed, Dead, Deaths, GiveUp, New, Rebuild, Restarting
 
 if TYPE_CHECKING:
     from .._bridge._commands import Add, Outbox, Reply, Sink
     from .._bridge._loops import Loop
     from ._resume import Progress
 
-__all__ = ("Changed", "Ended", "Life", "Refused", "Registry", "Route")
-
-
-class Life(enum.Enum):
-    """The name of the lifecycle's state (``_life.py`` holds the states themselves)."""
-
-    NEW = "new"
-    STARTING = "starting"
-    RUNNING = "running"
-    RESTARTING = "restarting"
-    DEAD = "dead"
-    CLOSED = "closed"
-
-
-_NAMES: dict[type, Life] = {
-    New: Life.NEW,
-    Starting: Life.STARTING,
-    Running: Life.RUNNING,
-    Restarting: Life.RESTARTING,
-    Dead: Life.DEAD,
-    Closed: Life.CLOSED,
-}
+__all__ = ("Changed", "Ended", "Refused", "Registry", "Route")
 
 
 class Pending(Protocol):
@@ -154,11 +132,6 @@ class Registry:
         """While a dead engine is being rebuilt, the death that began it; else None."""
         state = self.state
         return state.cause if isinstance(state, Restarting) else None
-
-    @property
-    def life(self) -> Life:
-        """The state's name."""
-        return _NAMES[type(self.state)]
 
     def start(self) -> None:
         """``start()`` was called (any thread)."""

@@ -60,7 +60,7 @@ from .._types import RestartPolicy
 from .._vllm import EngineLike, has_core_process, shutdown_core
 from . import _watchdog
 from ._apply import Applier
-from ._counters import Counters, Health, Snapshot
+from ._counters import Counters, Health
 from ._handoff import Handoff, Order
 from ._life import GiveUp
 from ._placement import Placement
@@ -138,6 +138,11 @@ class Worker:
         return self.registry.restart_cause is not None
 
     @property
+    def admission_paused(self) -> bool:
+        """Whether ``pause_generation()`` is in force (admissions wait)."""
+        return not self.registry.control.admitting
+
+    @property
     def dead_error(self) -> BaseException | None:
         """The ``EngineDeadError`` if the engine died, even once closed after; else None."""
         return self.registry.dead_error
@@ -174,19 +179,6 @@ class Worker:
             busy_since=counters.busy_since,
             in_flight=len(registry.routes),
             held=not registry.control.stepping,
-        )
-
-    def snapshot(self) -> Snapshot:
-        """The counters and states now, read without a lock (fields may span two steps)."""
-        registry, control = self.registry, self.registry.control
-        return self.counters.snapshot(
-            life=registry.life,
-            dead_error=registry.dead_error,
-            in_flight=len(registry.routes),
-            waiting=len(control.parked),
-            admission_paused=not control.admitting,
-            held=not control.stepping,
-            commands_queued=len(self.inbox),
         )
 
     def close(self, timeout: float) -> None:
