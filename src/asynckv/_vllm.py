@@ -12,7 +12,8 @@ and ``shutdown_core`` run on the worker thread; ``engine_processes``,
 the engine is built (also on the worker); ``unblock_step`` and ``fail_utility_calls`` on the
 watchdog thread; the output helpers (``final_abort_output``, ``copy_delta``,
 ``merge_delta``, ``request_stat``) on the stream's event loop; ``tap_steps``
-and its ``StepTap`` on the worker (inside ``step()``).
+and its ``StepTap`` on the worker (inside ``step()``). The request and
+build-time section says its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import copy
 import queue
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -31,13 +33,20 @@ from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
+    from vllm import LLMEngine
+    from vllm.config import VllmConfig
+    from vllm.renderers import BaseRenderer
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.input_processor import InputProcessor
 
 __all__ = (
+    "BuildTime",
     "EngineLike",
     "StepTap",
     "VllmEngineDeadError",
     "abort_outputs",
+    "add_core_request",
     "client_threads",
     "copy_delta",
     "detokenizers",
@@ -46,11 +55,16 @@ __all__ = (
     "fail_utility_calls",
     "final_abort_output",
     "has_core_process",
+    "is_core_request",
     "is_engine_dead",
     "merge_delta",
     "pause_core_scheduler",
+    "process_inputs",
+    "read_build_time",
+    "rejected_kv_request",
     "request_stat",
     "resume_core_scheduler",
+    "set_reasoning",
     "shutdown_core",
     "tap_steps",
     "unblock_step",
@@ -311,6 +325,104 @@ def exit_status(code: int | None) -> str:
         except ValueError:
             pass
     return f"exited with code {code}"
+
+
+# -- requests and build-time reads, for the loop side (_loop) ------------------------
+#
+# The input processor, the engine-core request and what the engine set when it
+# was built. ``read_build_time`` runs on the thread that built the engine;
+# ``process_inputs`` and ``add_core_request`` on the worker thread (through
+# ``run_on_engine``); the rest on the caller's loop.
+
+
+@dataclass(frozen=True, slots=True)
+class BuildTime:
+    """What the ``LLMEngine`` set when it was built: it never changes after."""
+
+    vllm_config: VllmConfig
+    renderer: BaseRenderer
+    input_processor: InputProcessor
+
+
+def read_build_time(engine: Any) -> BuildTime | None:
+    """Read what ``engine`` set when it was built; None for a stand-in that has none."""
+    try:
+        return BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
+    except AttributeError:
+        return None  # a stand-in for LLMEngine (a test's fake engine)
+
+
+def is_core_request(prompt: Any) -> bool:
+    """Whether ``prompt`` is already an engine-core request (which ``add_request`` takes as is)."""
+    from vllm.v1.engine import EngineCoreRequest
+
+    return isinstance(prompt, EngineCoreRequest)
+
+
+def process_inputs(
+    engine: LLMEngine,
+    request_id: str,
+    prompt: Any,
+    params: SamplingParams,
+    options: dict[str, Any],
+) -> EngineCoreRequest:
+    """Build the engine-core request of ``prompt`` with the engine's input processor.
+
+    On the worker thread: the input processor is the worker's to use.
+    ``options`` are ``process_inputs``' keyword arguments (``lora_request``,
+    ``data_parallel_rank``, ...).
+    """
+    return engine.input_processor.process_inputs(
+        request_id, prompt, params, supported_tasks=engine.get_supported_tasks(), **options
+    )
+
+
+def set_reasoning(
+    request: EngineCoreRequest,
+    reasoning_ended: bool | None,
+    reasoning_parser_kwargs: dict[str, Any] | None,
+) -> None:
+    """Set the reasoning fields that ``add_request`` has no parameter for on ``request``."""
+    if reasoning_ended is not None:
+        request.reasoning_ended = reasoning_ended
+    if reasoning_parser_kwargs is not None:
+        request.reasoning_parser_kwargs = reasoning_parser_kwargs
+
+
+def rejected_kv_request(
+    request_id: str, kv_transfer_params: dict[str, Any], data_parallel_rank: int | None
+) -> EngineCoreRequest:
+    """A pre-aborted engine-core request that makes a KV connector free what it pinned.
+
+    As ``AsyncLLM.notify_kv_transfer_request_rejected`` builds it; where
+    ``SamplingParams`` has a ``watermarking`` field (some vLLM versions), it is off.
+    """
+    import time
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    fields = getattr(SamplingParams, "__struct_fields__", ())
+    extra = {"watermarking": False} if "watermarking" in fields else {}
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=[0],
+        mm_features=None,
+        sampling_params=SamplingParams(
+            max_tokens=1, extra_args={"kv_transfer_params": dict(kv_transfer_params)}, **extra
+        ),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=data_parallel_rank,
+        abort_immediately=True,
+    )
+
+
+def add_core_request(engine: EngineLike, request: EngineCoreRequest) -> None:
+    """Submit ``request`` straight to the engine core, past the input processor (worker thread)."""
+    engine.engine_core.add_request(request)
 
 
 # -- outputs, on the stream's loop ------------------------------------------------

@@ -27,11 +27,12 @@ Where asynckv's semantics differ from ``AsyncLLM``'s, the docstring says how.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from .. import _vllm
 from .._errors import EngineClosedError, EngineDeadError, EngineNotStartedError
 from .._types import PauseMode
+from .._vllm import BuildTime
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
@@ -40,18 +41,9 @@ if TYPE_CHECKING:
     from vllm.renderers import BaseRenderer
     from vllm.v1.engine.input_processor import InputProcessor
 
-__all__ = ("AsyncLLMMethods", "BuildRecord", "BuildTime")
+__all__ = ("AsyncLLMMethods", "BuildRecord")
 
 R = TypeVar("R")
-
-
-@dataclass(frozen=True, slots=True)
-class BuildTime:
-    """What the ``LLMEngine`` set when it was built: it never changes after."""
-
-    vllm_config: VllmConfig
-    renderer: BaseRenderer
-    input_processor: InputProcessor
 
 
 class BuildRecord:
@@ -72,10 +64,7 @@ class BuildRecord:
 
     def record(self, engine: LLMEngine) -> None:
         """Take the build-time attributes of ``engine`` (on the thread that built it)."""
-        try:
-            self.built = BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
-        except AttributeError:
-            self.built = None  # a stand-in for LLMEngine (a test's fake engine) has none
+        self.built = _vllm.read_build_time(engine)
 
     def wrap(self, build: Callable[[], LLMEngine]) -> Callable[[], LLMEngine]:
         """``build``, recording what it built here before returning it."""
@@ -265,25 +254,5 @@ class AsyncLLMMethods:
         As ``AsyncLLM``'s: submits a pre-aborted request straight to the
         engine core, which runs the connector's ``request_finished`` hook.
         """
-        import time
-
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.engine import EngineCoreRequest
-
-        fields = getattr(SamplingParams, "__struct_fields__", ())
-        extra = {"watermarking": False} if "watermarking" in fields else {}
-        request = EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=[0],
-            mm_features=None,
-            sampling_params=SamplingParams(
-                max_tokens=1, extra_args={"kv_transfer_params": dict(kv_transfer_params)}, **extra
-            ),
-            pooling_params=None,
-            arrival_time=time.time(),
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=data_parallel_rank,
-            abort_immediately=True,
-        )
-        await self.run_on_engine(lambda e: e.engine_core.add_request(request))
+        request = _vllm.rejected_kv_request(request_id, kv_transfer_params, data_parallel_rank)
+        await self.run_on_engine(_vllm.add_core_request, request)

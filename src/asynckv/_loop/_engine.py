@@ -35,8 +35,8 @@ from .._stats import EngineStats
 from .._types import PauseMode, RestartPolicy
 from .._worker._worker import Worker
 from . import _checks
-from ._asyncllm import AsyncLLMMethods, BuildRecord, BuildTime
-from ._requests import engine_options, pump
+from ._asyncllm import AsyncLLMMethods, BuildRecord
+from ._requests import RequestArgs, engine_options, pump
 from ._sink import _Sink
 from ._steps import StepStream
 from ._stream import RequestStream
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.output_processor import RequestOutputCollector
     from vllm.v1.metrics.loggers import StatLoggerFactory
 
-    from .._vllm import EngineLike
+    from .._vllm import BuildTime, EngineLike
 
 __all__ = ("AsyncEngine",)
 
@@ -471,11 +471,7 @@ class AsyncEngine(AsyncLLMMethods):
         """
         from vllm.v1.engine.output_processor import RequestOutputCollector
 
-        prompt, options = await engine_options(
-            self,
-            request_id,
-            prompt,
-            params,
+        args = RequestArgs(
             arrival_time=arrival_time,
             lora_request=lora_request,
             tokenization_kwargs=tokenization_kwargs,
@@ -488,6 +484,7 @@ class AsyncEngine(AsyncLLMMethods):
             reasoning_parser_kwargs=reasoning_parser_kwargs,
             kv_hints=kv_hints,
         )
+        prompt, options = await engine_options(self, request_id, prompt, params, args)
         collector = RequestOutputCollector(params.output_kind, request_id)
         pump(self.generate(prompt, params, request_id, **options), collector)
         return collector

@@ -1,27 +1,89 @@
-"""Turning ``AsyncLLM``'s request arguments into what ``LLMEngine.add_request`` takes.
+"""``AsyncLLM``'s request arguments, said once, and what ``LLMEngine.add_request`` takes of them.
 
 Runs on the caller's event loop; the one piece of work on the engine (building
-an engine request with vLLM's input processor) goes through ``run_on_engine``,
-so the worker thread does it between two steps.
+an engine request with vLLM's input processor, ``_vllm.process_inputs``) goes
+through ``run_on_engine``, so the worker thread does it between two steps.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Mapping
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from .. import _vllm
 
 if TYPE_CHECKING:
-    from vllm import LLMEngine
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
-    from ._asyncllm import AsyncLLMMethods
     from ._stream import RequestStream
 
-__all__ = ("engine_options", "pump")
+__all__ = ("EngineCalls", "RequestArgs", "engine_options", "pump")
+
+R = TypeVar("R")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestArgs:
+    """``AsyncLLM``'s request arguments beyond the id, the prompt and the params.
+
+    ``AsyncEngine.add_request`` and ``AsyncEngineClient.generate`` build one
+    from their own (public) parameters, which have ``AsyncLLM``'s names and
+    defaults, and pass it on to ``engine_options``.
+    """
+
+    arrival_time: float | None = None
+    lora_request: LoRARequest | None = None
+    tokenization_kwargs: dict[str, Any] | None = None
+    trace_headers: Mapping[str, str] | None = None
+    priority: int = 0
+    data_parallel_rank: int | None = None
+    session_id: str | None = None
+    prompt_text: str | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+    kv_hints: Any = None
+
+    def add_request_options(self) -> dict[str, Any]:
+        """The ``LLMEngine.add_request`` options that are set (older vLLMs lack some)."""
+        options: dict[str, Any] = {
+            key: value
+            for key, value in (
+                ("arrival_time", self.arrival_time),
+                ("lora_request", self.lora_request),
+                ("tokenization_kwargs", self.tokenization_kwargs),
+                ("trace_headers", self.trace_headers),
+                ("session_id", self.session_id),
+                ("prompt_text", self.prompt_text),
+                ("kv_hints", self.kv_hints),
+            )
+            if value is not None
+        }
+        if self.priority:
+            options["priority"] = self.priority
+        return options
+
+    @property
+    def needs_core_request(self) -> bool:
+        """Whether a field that ``add_request`` has no parameter for is set."""
+        return (
+            self.data_parallel_rank is not None
+            or self.reasoning_ended is not None
+            or self.reasoning_parser_kwargs is not None
+        )
+
+
+class EngineCalls(Protocol):
+    """What ``engine_options`` needs of the engine (``AsyncEngine`` has both)."""
+
+    async def run_on_engine(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R: ...
+
+    async def is_tracing_enabled(self) -> bool: ...
+
 
 # The tasks that feed collectors, held so that none is collected while it runs.
 _PUMPS: set[asyncio.Task[None]] = set()
@@ -46,22 +108,11 @@ async def _pump(stream: RequestStream, collector: RequestOutputCollector) -> Non
 
 
 async def engine_options(
-    engine: AsyncLLMMethods,
+    engine: EngineCalls,
     request_id: str,
     prompt: Any,
     params: SamplingParams,
-    *,
-    arrival_time: float | None = None,
-    lora_request: LoRARequest | None = None,
-    tokenization_kwargs: dict[str, Any] | None = None,
-    trace_headers: Mapping[str, str] | None = None,
-    priority: int = 0,
-    data_parallel_rank: int | None = None,
-    session_id: str | None = None,
-    prompt_text: str | None = None,
-    reasoning_ended: bool | None = None,
-    reasoning_parser_kwargs: dict[str, Any] | None = None,
-    kv_hints: Any = None,
+    args: RequestArgs,
 ) -> tuple[Any, dict[str, Any]]:
     """Turn ``AsyncLLM``'s request arguments into a prompt and ``LLMEngine.add_request`` options.
 
@@ -78,50 +129,26 @@ async def engine_options(
         raise NotImplementedError(
             "asynckv does not take streaming inputs (an async generator of prompts)"
         )
-    if trace_headers and not await engine.is_tracing_enabled():
+    if args.trace_headers and not await engine.is_tracing_enabled():
         from vllm.tracing import log_tracing_disabled_warning
 
         log_tracing_disabled_warning()  # and drops them, as AsyncLLM does
-        trace_headers = None
-    options: dict[str, Any] = {
-        key: value
-        for key, value in (
-            ("arrival_time", arrival_time),
-            ("lora_request", lora_request),
-            ("tokenization_kwargs", tokenization_kwargs),
-            ("trace_headers", trace_headers),
-            ("session_id", session_id),
-            ("prompt_text", prompt_text),
-            ("kv_hints", kv_hints),
-        )
-        if value is not None
-    }
-    if priority:
-        options["priority"] = priority
-    if data_parallel_rank is None and reasoning_ended is None and reasoning_parser_kwargs is None:
+        args = dataclasses.replace(args, trace_headers=None)
+    options = args.add_request_options()
+    if not args.needs_core_request:
         return prompt, options
-    from vllm.v1.engine import EngineCoreRequest
-
     request: EngineCoreRequest
-    if isinstance(prompt, EngineCoreRequest):
+    if _vllm.is_core_request(prompt):
         request = prompt
     else:
         process = {k: v for k, v in options.items() if k != "prompt_text"}
-        if data_parallel_rank is not None:
-            process["data_parallel_rank"] = data_parallel_rank
-
-        def build(e: LLMEngine) -> EngineCoreRequest:
-            # On the worker thread: the input processor is the worker's to use.
-            return e.input_processor.process_inputs(
-                request_id, prompt, params, supported_tasks=e.get_supported_tasks(), **process
-            )
-
-        request = await engine.run_on_engine(build)
-    if reasoning_ended is not None:
-        request.reasoning_ended = reasoning_ended
-    if reasoning_parser_kwargs is not None:
-        request.reasoning_parser_kwargs = reasoning_parser_kwargs
-    text = prompt_text
+        if args.data_parallel_rank is not None:
+            process["data_parallel_rank"] = args.data_parallel_rank
+        request = await engine.run_on_engine(
+            _vllm.process_inputs, request_id, prompt, params, process
+        )
+    _vllm.set_reasoning(request, args.reasoning_ended, args.reasoning_parser_kwargs)
+    text = args.prompt_text
     if text is None:
         text = prompt if isinstance(prompt, str) else _text_of(prompt)
     return request, {} if text is None else {"prompt_text": text}

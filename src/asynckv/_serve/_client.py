@@ -24,7 +24,7 @@ from vllm.tasks import POOLING_TASKS
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.engine.exceptions import EngineGenerateError
 
-from .._loop._requests import engine_options
+from .._loop._requests import RequestArgs, engine_options
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -130,11 +130,7 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
         with self._lock:
             self._unfinished += count
         try:
-            prompt, options = await engine_options(
-                self.engine,
-                request_id,
-                prompt,
-                sampling_params,
+            args = RequestArgs(
                 prompt_text=prompt_text,
                 lora_request=lora_request,
                 tokenization_kwargs=tokenization_kwargs,
@@ -145,6 +141,9 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
                 kv_hints=kv_hints,
                 reasoning_ended=reasoning_ended,
                 reasoning_parser_kwargs=reasoning_parser_kwargs,
+            )
+            prompt, options = await engine_options(
+                self.engine, request_id, prompt, sampling_params, args
             )
             async with self.engine.generate(prompt, sampling_params, request_id, **options) as s:
                 async for out in s:
