@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "BuildTime",
+    "Detokenizer",
     "EngineLike",
     "StepTap",
     "VllmEngineDeadError",
@@ -49,6 +50,9 @@ __all__ = (
     "add_core_request",
     "client_threads",
     "copy_delta",
+    "decode_more",
+    "decoded_ids",
+    "decoded_text",
     "detokenizers",
     "engine_processes",
     "exit_status",
@@ -488,3 +492,40 @@ def request_stat(stats: Any, name: str) -> float | None:
     if name.endswith("_ts"):
         return float(value) if value else None
     return float(value)
+
+
+# -- a dead engine's detokenizer, continued on the worker thread -----------------------
+#
+# A resumed completion's new tokens go through the dead engine's own detokenizer
+# (``detokenizers`` above), so that its text and stop strings come out as without
+# the death (``_worker/_splice.py``). These are the calls made of it, vLLM's
+# ``IncrementalDetokenizer`` (vllm/v1/engine/detokenizer.py); all on the worker thread.
+
+
+class Detokenizer(Protocol):
+    """The calls made of vLLM's ``IncrementalDetokenizer``."""
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str: ...
+
+
+def decoded_ids(detokenizer: Detokenizer) -> list[int]:
+    """A copy of the token ids ``detokenizer`` has taken (none after a stop string)."""
+    return list(detokenizer.output_token_ids)
+
+
+def decode_more(detokenizer: Detokenizer, new_token_ids: list[int], by_token: bool) -> str | None:
+    """Feed ``detokenizer`` new tokens; return the stop string they completed, if any.
+
+    ``by_token``: the completion ended on a stop token (then no stop string is sought).
+    """
+    return detokenizer.update(new_token_ids, by_token)
+
+
+def decoded_text(detokenizer: Detokenizer, finished: bool, delta: bool) -> str:
+    """The text to send now: what is new (``delta``) or all of it, less the held-back tail."""
+    return detokenizer.get_next_output_text(finished, delta)

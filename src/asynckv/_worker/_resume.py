@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.sampling_params import RequestOutputKind
 
 from .._errors import RequestNotResumedError
+from .._vllm import Detokenizer, decoded_ids
 from ._splice import Base, copied, joined, splice_decoded, splice_text
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ("Decoded", "Progress", "Readmission")
 
-Decoded = dict[str, list[tuple[int, Any]]]
+Decoded = dict[str, list[tuple[int, Detokenizer]]]
 """Engine request id -> the dead engine's detokenizer of each completion: (index, detokenizer)."""
 
 # The add_request options a resumed request keeps (the prompt is token ids now).
@@ -183,7 +184,7 @@ class Progress:
             logprobs = copied(seq.logprobs)
             base = Base(tokens, text, logprobs, seq.cumulative_logprob, len(sent))
             detokenizer = detokenizers.get(i)
-            if detokenizer is not None and len(detokenizer.output_token_ids) == len(tokens):
+            if detokenizer is not None and len(decoded_ids(detokenizer)) == len(tokens):
                 base.detokenizer = detokenizer
             self.bases[i] = base
         self.restarts += 1
@@ -202,7 +203,7 @@ class Progress:
             for engine_id, i in self.engine_ids.items()
         ]
 
-    def _detokenizers(self, decoded: Decoded) -> dict[int, Any]:
+    def _detokenizers(self, decoded: Decoded) -> dict[int, Detokenizer]:
         # Each completion's detokenizer: carried from the last restart, or the dead engine's.
         found = {i: b.detokenizer for i, b in self.bases.items() if b.detokenizer is not None}
         for engine_id, index in self.engine_ids.items():

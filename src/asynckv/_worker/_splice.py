@@ -26,6 +26,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._vllm import Detokenizer, decode_more, decoded_ids, decoded_text
+
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
     from vllm.sampling_params import SamplingParams
@@ -43,7 +45,7 @@ class Base:
     cumulative_logprob: float | None
     sent: int
     """Characters of text the stream has been sent (vLLM holds the tail back for stops)."""
-    detokenizer: Any = None
+    detokenizer: Detokenizer | None = None
     """The dead engine's detokenizer, continued (None: splice the text)."""
     new_text: list[str] = field(default_factory=list)
     checking: bool = True
@@ -104,23 +106,24 @@ def splice_decoded(
     """
     # The dead engine's detokenizer takes the new tokens, as its output processor would.
     detokenizer = base.detokenizer
+    assert detokenizer is not None
     spliced = copy.copy(c)
     spliced.index = index
     stopped = False
     by_token = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
-    fed = len(detokenizer.output_token_ids)
+    fed = len(decoded_ids(detokenizer))
     # A cumulative output repeats the tokens since the join: feed only the new ones.
     new = list(c.token_ids if delta else c.token_ids[fed - len(base.tokens) :])
-    stop = detokenizer.update(new, by_token)
+    stop = decode_more(detokenizer, new, by_token)
     if stop is not None:
         spliced.finish_reason, spliced.stop_reason = "stop", stop
         stopped = c.finish_reason is None
-    spliced.text = detokenizer.get_next_output_text(spliced.finish_reason is not None, delta)
+    spliced.text = decoded_text(detokenizer, spliced.finish_reason is not None, delta)
     if delta:
         # What the detokenizer kept (it drops the tokens after a stop string).
-        spliced.token_ids = list(detokenizer.output_token_ids[fed:])
+        spliced.token_ids = decoded_ids(detokenizer)[fed:]
     else:
-        spliced.token_ids = list(detokenizer.output_token_ids)
+        spliced.token_ids = decoded_ids(detokenizer)
         if c.logprobs is not None:
             spliced.logprobs = joined(copied(base.logprobs), c.logprobs)
     if base.cumulative_logprob is not None and c.cumulative_logprob is not None:
