@@ -256,6 +256,7 @@ class Worker:
                 # The next engine's processes are started from this thread: all CPUs.
                 self.placement.release()
             if decoded is None:
+                self._fail_carried(run, outbox)
                 return
             assert self._recovery is not None  # no decoded without one
             match self._recovery.rebuilt(decoded):
@@ -263,9 +264,18 @@ class Worker:
                     run = EngineRun(rebuilt, run.generation + 1, self.inbox.nudge, run.carry)
                 case GaveUp(causes):
                     self.die(causes[-1], causes)
+                    self._fail_carried(run, outbox)
                     return
                 case ClosedMeanwhile():
+                    self._fail_carried(run, outbox)
                     return
+
+    def _fail_carried(self, run: EngineRun, outbox: Outbox) -> None:
+        # No new engine will come: the commands kept to apply again there fail now.
+        error = self.registry.error or EngineDeadError(RuntimeError("ended"))
+        while run.carry:
+            run.carry.popleft().fail(outbox, error)
+        outbox.flush()
 
     def _died(self, run: EngineRun, cause: BaseException) -> Decoded | None:
         """The engine died: die, or say what it decoded to rebuild (before its shutdown).
