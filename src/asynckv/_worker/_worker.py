@@ -128,11 +128,6 @@ class Worker:
         self._thread.start()
 
     @property
-    def restart_cause(self) -> BaseException | None:
-        """While a dead engine is being rebuilt, the death that began it; else None."""
-        return self.registry.restart_cause
-
-    @property
     def restarting(self) -> bool:
         """Whether a dead engine is being rebuilt now."""
         return self.registry.restart_cause is not None
