@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import os
+import random
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING
 
 import psutil
 import pytest
 from vllm import EngineArgs, SamplingParams
+from vllm.inputs import TokensPrompt
 from vllm.outputs import CompletionOutput, RequestOutput
 
 from asynckv import AsyncEngine, RequestStream
@@ -58,7 +63,7 @@ async def result(stream: RequestStream) -> RequestOutput:
     return await stream
 
 
-async def cancel_while_iterating(stream: RequestStream) -> None:
+async def cancel_while_iterating(stream: AsyncIterable[object]) -> None:
     """Iterate ``stream`` in a task and cancel that task once it has had an output."""
     got = asyncio.Event()
 
@@ -105,6 +110,39 @@ async def drained(engine: AsyncEngine, attempts: int = 100) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+def running_backend() -> str:
+    """The backend this code runs on, asked of asyncio and trio themselves."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        import trio
+
+        trio.lowlevel.current_trio_token()  # raises outside a trio run
+        return "trio"
+    return "asyncio"
+
+
+def random_prompts(n: int, seed: int) -> list[TokensPrompt]:
+    """``n`` prompts of 16 to 64 random token ids, the same for the same ``seed``."""
+    rng = random.Random(seed)
+    return [
+        TokensPrompt(prompt_token_ids=[rng.randrange(260, 500) for _ in range(rng.randint(16, 64))])
+        for _ in range(n)
+    ]
+
+
+async def first_outputs(streams: list[RequestStream], seconds: float = 120) -> None:
+    """Wait until each stream has had an output: the step that made the last ran with all."""
+    await asyncio.wait_for(asyncio.gather(*(anext(stream) for stream in streams)), seconds)
+
+
+def worker_cpus(engine: AsyncEngine) -> set[int]:
+    """The CPUs the engine's worker thread may run on now."""
+    native_id = engine._worker._thread.native_id
+    assert native_id is not None
+    return os.sched_getaffinity(native_id)
 
 
 def child_processes() -> set[int]:
@@ -207,9 +245,44 @@ class FakeEngine:
 
 
 if TYPE_CHECKING:
+    import httpx
+    import openai
+
     # mypy checks the fake against the Protocol of what the worker calls.
     _FAKE_IS_AN_ENGINE: EngineLike = FakeEngine()
 # -- HTTP servers in subprocesses (tests/servers/) -----------------------------------------
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python: this checkout's ``src`` first, a small KV cache."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
+        **extra,
+    }
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A server to start: its command without ``--port``, and the model name it serves.
+
+    ``tracebacks_ok`` for ``vllm serve``, whose ``AsyncLLM`` at times logs its own
+    output handler's ``EngineDeadError`` while it shuts down.
+    """
+
+    command: list[str]
+    model: str
+    tracebacks_ok: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,28 +298,48 @@ class ServerProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+@contextlib.contextmanager
+def served(
+    logs: Path, healthy_within: float = 600.0, **launches: Launch
+) -> Iterator[dict[str, ServerProcess]]:
+    """The one server launcher of the suite: servers on free ports, healthy, then stopped.
+
+    Starts each ``launches`` command with ``--port`` on a free port and its output
+    in ``logs/<name>.log``, all at once (their engines' starts overlap); yields them
+    by name once each answers ``GET /health`` with 200 within ``healthy_within``
+    seconds. At the end each gets SIGTERM and must exit cleanly within 90 s, with
+    no traceback, leaving none of its processes behind (those seen when it became
+    healthy and those alive at the end: an engine restarted meanwhile is a child
+    too). A server that fails to stop still lets the others stop, then fails.
+    """
+    started: dict[str, ServerProcess] = {}
+    children: dict[str, list[psutil.Process]] = {}
+    try:
+        for name, launch in launches.items():
+            port = free_port()
+            log = logs / f"{name}.log"
+            with log.open("wb") as out:
+                process = subprocess.Popen(
+                    [*launch.command, "--port", str(port)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=child_env(),
+                )
+            started[name] = ServerProcess(process, f"http://127.0.0.1:{port}", launch.model, log)
+        for name, server in started.items():
+            children[name] = _healthy(server, healthy_within)
+        yield started
+    finally:
+        failures = []
+        for name, server in started.items():
+            try:
+                _stop(server, children.get(name, []), launches[name].tracebacks_ok)
+            except BaseException as exc:  # stop the others too, then report
+                failures.append(f"{name}: {exc}")
+        assert not failures, failures
 
 
-def launch_server(command: list[str], log: Path, model: str, port: int) -> ServerProcess:
-    """Start ``command`` (which listens on ``port``) with its output in ``log``; don't wait."""
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
-    }
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    return ServerProcess(process, f"http://127.0.0.1:{port}", model, log)
-
-
-def wait_until_healthy(server: ServerProcess, seconds: float = 600.0) -> list[psutil.Process]:
+def _healthy(server: ServerProcess, seconds: float) -> list[psutil.Process]:
     """Poll ``/health`` until it answers 200 (engine start takes 15-200 s); return the children."""
     import httpx
 
@@ -256,24 +349,24 @@ def wait_until_healthy(server: ServerProcess, seconds: float = 600.0) -> list[ps
             pytest.fail(f"the server exited with {server.process.returncode}:\n{server.log_tail()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                children: list[psutil.Process] = psutil.Process(server.process.pid).children(
-                    recursive=True
-                )
-                return children
+                return _children(server)
         except httpx.TransportError:
             pass
         time.sleep(0.5)
     pytest.fail(f"the server did not become healthy:\n{server.log_tail()}")
 
 
-def stop_server(
-    server: ServerProcess, children: list[psutil.Process], tracebacks_ok: bool = False
-) -> None:
-    """SIGTERM the server: it must exit cleanly, with no traceback, leaving no process behind.
+def _children(server: ServerProcess) -> list[psutil.Process]:
+    try:
+        children: list[psutil.Process] = psutil.Process(server.process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return children
 
-    ``tracebacks_ok`` for ``vllm serve``, whose ``AsyncLLM`` at times logs its own
-    output handler's ``EngineDeadError`` while it shuts down.
-    """
+
+def _stop(server: ServerProcess, children: list[psutil.Process], tracebacks_ok: bool) -> None:
+    """SIGTERM the server: it must exit cleanly, with no traceback, leaving no process behind."""
+    children = [*children, *_children(server)]
     server.process.send_signal(signal.SIGTERM)
     try:
         code = server.process.wait(timeout=90)
@@ -290,3 +383,40 @@ def stop_server(
     # vLLM's model-runner process outlives its engine core by a moment at shutdown.
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [(p, p.cmdline()) for p in alive]
+
+
+def http_client(
+    server: ServerProcess, key: str | None = None, timeout: float = 120.0
+) -> httpx.AsyncClient:
+    """An HTTP client of ``server``, with its bearer ``key`` if any and no cap on connections."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(
+        base_url=server.url,
+        headers=headers,
+        timeout=httpx.Timeout(timeout),
+        limits=httpx.Limits(max_connections=None),
+    )
+
+
+def openai_client(server: ServerProcess, key: str) -> openai.AsyncOpenAI:
+    """The OpenAI SDK's client of ``server``: no retries, so every error is the server's."""
+    import openai
+
+    return openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120.0
+    )
+
+
+def serve_bench() -> ModuleType:
+    """``benchmarks/serve.py``, the servers' benchmark client, loaded once as ``serve_bench``."""
+    if "serve_bench" in sys.modules:
+        return sys.modules["serve_bench"]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
+    spec = importlib.util.spec_from_file_location("serve_bench", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -14,7 +14,6 @@ two steps, how many requests it still holds: the invariant is that it is 0.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 
 import anyio
@@ -24,25 +23,13 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine
-from support import unfinished
+from support import running_backend, unfinished
 
 pytestmark = pytest.mark.anyio
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 LONG = SamplingParams(max_tokens=400, **GREEDY)
 PROMPT = "A robot may not injure a human being " * 6
-
-
-def running_backend() -> str:
-    """The backend this code runs on, asked of asyncio and trio themselves."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        import trio
-
-        trio.lowlevel.current_trio_token()  # raises outside a trio run
-        return "trio"
-    return "asyncio"
 
 
 async def test_await_and_iterate(engine: AsyncEngine, anyio_backend: str) -> None:

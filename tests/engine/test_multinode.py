@@ -31,6 +31,7 @@ from asynckv import AsyncEngine, EngineDeadError
 from support import (
     assert_same_greedy_tokens,
     cancel_while_iterating,
+    child_env,
     drained,
     engine_args,
     free_port,
@@ -106,10 +107,6 @@ class Headless:
         return self.log.read_text(errors="replace")[-4000:]
 
 
-def _pythonpath() -> str:
-    return os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
-
-
 @pytest.fixture(scope="module")
 def single_node(model_path: Path) -> Iterator[AsyncEngine]:
     """The reference: the same model and arguments on one node, without tensor parallelism."""
@@ -132,14 +129,8 @@ def headless(
     command += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     for name, value in SHARED.items():
         command += [f"--{name.replace('_', '-')}", str(value)]
-    env = {
-        **os.environ,
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_CPU_OMP_THREADS_BIND": "1",  # the head's rank takes core 0
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
-        ),
-    }
+    # The head's rank takes core 0.
+    env = child_env(VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND="1")
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -16,20 +16,15 @@ import psutil
 import pytest
 from vllm import SamplingParams
 
-from asynckv import AsyncEngine, RequestStream
+from asynckv import AsyncEngine
 from asynckv._worker._placement import PIN_AT
+from support import first_outputs, worker_cpus
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS"
 )
 
 OURS = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
-
-
-def _worker_cpus(engine: AsyncEngine) -> set[int]:
-    native_id = engine._worker._thread.native_id
-    assert native_id is not None
-    return os.sched_getaffinity(native_id)
 
 
 def _bound_to_one_of_ours(processes: list[BaseProcess]) -> frozenset[int]:
@@ -46,11 +41,6 @@ def _bound_to_one_of_ours(processes: list[BaseProcess]) -> frozenset[int]:
     return frozenset(bound)
 
 
-async def _first_outputs(streams: list[RequestStream]) -> None:
-    # Each stream has had an output: the step that made the last one ran with all in flight.
-    await asyncio.wait_for(asyncio.gather(*(anext(stream) for stream in streams)), 120)
-
-
 async def test_real_engine_worker_runs_off_the_model_cores_under_load(
     engine: AsyncEngine,
 ) -> None:
@@ -64,13 +54,13 @@ async def test_real_engine_worker_runs_off_the_model_cores_under_load(
     )
     assert worker.placement.frontend == (frontend if frontend != OURS else None)
     streams = [engine.generate(f"Hello {i}", SamplingParams(max_tokens=16)) for i in range(PIN_AT)]
-    await _first_outputs(streams)
-    assert _worker_cpus(engine) == frontend
+    await first_outputs(streams)
+    assert worker_cpus(engine) == frontend
     assert os.sched_getaffinity(output_thread) == frontend
     assert os.sched_getaffinity(0) == OURS  # the caller's thread is never moved
     finals = await asyncio.wait_for(asyncio.gather(*streams), 120)
     assert all(len(final.outputs[0].token_ids) == 16 for final in finals)
     # The last step left none in flight: every CPU again.
-    assert _worker_cpus(engine) == OURS
+    assert worker_cpus(engine) == OURS
     assert os.sched_getaffinity(output_thread) == OURS
     assert worker.placement.cpus is None

@@ -7,12 +7,9 @@ in tests/fake/test_observability.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
-import pytest
-import structlog
-from structlog.testing import capture_logs
 from vllm import SamplingParams
 from vllm.v1.metrics.stats import RequestStateStats
 
@@ -23,14 +20,6 @@ from support import cancel_while_iterating
 COUNTS_PREEMPTIONS = hasattr(RequestStateStats(), "num_preemptions")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture
-def logs() -> Iterator[list[MutableMapping[str, Any]]]:
-    """Capture structlog events; restore structlog's defaults afterwards."""
-    with capture_logs() as captured:
-        yield captured
-    structlog.reset_defaults()
 
 
 def events_of(logs: list[MutableMapping[str, Any]], request_id: str) -> list[str]:

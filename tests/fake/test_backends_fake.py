@@ -6,30 +6,16 @@ real engine's side is in tests/engine/test_backends.py.
 
 from __future__ import annotations
 
-import asyncio
-
 import anyio
 import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, AsyncEnginePool, EngineClosedError
-from support import FakeEngine
+from support import FakeEngine, running_backend
 
 pytestmark = pytest.mark.anyio
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-def running_backend() -> str:
-    """The backend this code runs on, asked of asyncio and trio themselves."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        import trio
-
-        trio.lowlevel.current_trio_token()  # raises outside a trio run
-        return "trio"
-    return "asyncio"
 
 
 async def test_stream_on_another_loop_raises() -> None:

@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
-import structlog
-from structlog.testing import capture_logs
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineDeadError, EngineStalledError
 from support import FakeEngine
-
-
-@pytest.fixture
-def logs() -> Iterator[list[MutableMapping[str, Any]]]:
-    """Capture structlog events; restore structlog's defaults afterwards."""
-    with capture_logs() as captured:
-        yield captured
-    structlog.reset_defaults()
 
 
 async def test_engine_dead_logged_once_with_traceback(logs: list[MutableMapping[str, Any]]) -> None:

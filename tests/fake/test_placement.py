@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 from vllm import SamplingParams
 
-from asynckv import AsyncEngine, RequestStream
+from asynckv import AsyncEngine
 from asynckv._worker._placement import PIN_AT, UNPIN_AT
-from support import FakeEngine
+from support import FakeEngine, first_outputs, worker_cpus
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS"
@@ -30,17 +30,6 @@ pytestmark = pytest.mark.skipif(
 OURS = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 HUNDRED = SamplingParams(max_tokens=100)
 ENDLESS = SamplingParams(max_tokens=10**6)
-
-
-def _worker_cpus(engine: AsyncEngine) -> set[int]:
-    native_id = engine._worker._thread.native_id
-    assert native_id is not None
-    return os.sched_getaffinity(native_id)
-
-
-async def _first_outputs(streams: list[RequestStream]) -> None:
-    # Each stream has had an output: the step that made the last one ran with all in flight.
-    await asyncio.wait_for(asyncio.gather(*(anext(stream) for stream in streams)), 120)
 
 
 @pytest.fixture
@@ -70,18 +59,18 @@ async def test_fake_engine_kept_off_under_load_only_and_opt_out(bound_core: Base
     left = AsyncEngine(_fake_with(bound_core), keep_off_model_cores=False)
     try:
         few = [kept.generate(f"f{i}", HUNDRED) for i in range(UNPIN_AT)]
-        await _first_outputs(few)
-        assert _worker_cpus(kept) == OURS  # a light load: left free
+        await first_outputs(few)
+        assert worker_cpus(kept) == OURS  # a light load: left free
         # Too long to finish before the check: only the aclose below ends them.
         many = [kept.generate(f"m{i}", ENDLESS) for i in range(PIN_AT)]
         others = [left.generate(f"o{i}", HUNDRED) for i in range(PIN_AT)]
-        await _first_outputs(many + others)
-        assert _worker_cpus(kept) == OURS - {min(OURS)}
-        assert _worker_cpus(left) == OURS
+        await first_outputs(many + others)
+        assert worker_cpus(kept) == OURS - {min(OURS)}
+        assert worker_cpus(left) == OURS
         for stream in many:
             await stream.aclose()
         await asyncio.wait_for(asyncio.gather(*few, *others), 10)
-        assert _worker_cpus(kept) == OURS  # the aborts left UNPIN_AT or fewer in flight
+        assert worker_cpus(kept) == OURS  # the aborts left UNPIN_AT or fewer in flight
         assert os.sched_getaffinity(0) == OURS
     finally:
         await kept.aclose()
@@ -103,8 +92,8 @@ async def test_restart_builds_the_next_engine_with_every_cpu(bound_core: BasePro
         # Endless: only the aclose below ends them, so the load can't end before a check.
         streams = [engine.generate(f"r{i}", ENDLESS) for i in range(PIN_AT)]
         hundred = engine.generate("hundred", HUNDRED)  # ends whole, restart or not
-        await _first_outputs([*streams, hundred])
-        assert _worker_cpus(engine) == OURS - {min(OURS)}
+        await first_outputs([*streams, hundred])
+        assert worker_cpus(engine) == OURS - {min(OURS)}
         first.fail_with = OSError("device lost")
 
         async def until_restarted() -> None:
@@ -120,9 +109,9 @@ async def test_restart_builds_the_next_engine_with_every_cpu(bound_core: BasePro
         # continued stream still in flight: kept off the bound CPU again.
         after = engine.generate("after", ENDLESS)
         await asyncio.wait_for(anext(after), 20)
-        assert _worker_cpus(engine) == OURS - {min(OURS)}
+        assert worker_cpus(engine) == OURS - {min(OURS)}
         for stream in [*streams, after]:
             await stream.aclose()
-        assert _worker_cpus(engine) == OURS  # the aborts ended the load
+        assert worker_cpus(engine) == OURS  # the aborts ended the load
     finally:
         await engine.aclose()

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
-import structlog
-from structlog.testing import capture_logs
 from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
@@ -30,14 +28,6 @@ from asynckv import (
 from support import FakeEngine
 
 TWENTY = SamplingParams(max_tokens=20)
-
-
-@pytest.fixture
-def logs() -> Iterator[list[MutableMapping[str, Any]]]:
-    """Capture structlog events; restore structlog's defaults afterwards."""
-    with capture_logs() as captured:
-        yield captured
-    structlog.reset_defaults()
 
 
 def failing_after(fake: FakeEngine, steps: int, error: BaseException) -> None:
@@ -58,14 +48,22 @@ def failing_after(fake: FakeEngine, steps: int, error: BaseException) -> None:
 class GatedRebuild:
     """A ``rebuild`` that says when it starts (``building``) and returns only on ``release``."""
 
-    def __init__(self, engine: FakeEngine | None = None) -> None:
+    def __init__(self) -> None:
         self.building, self.release = threading.Event(), threading.Event()
-        self._engine = engine
+        self.engine = FakeEngine()  # the engine it builds
 
     def __call__(self) -> FakeEngine:
         self.building.set()
         self.release.wait(10)
-        return self._engine if self._engine is not None else FakeEngine()
+        return self.engine
+
+
+def restarting() -> tuple[AsyncEngine, GatedRebuild]:
+    """An engine whose fake fails at its fourth step ("device lost"), rebuilt only on release."""
+    first = FakeEngine()
+    failing_after(first, 3, OSError("device lost"))
+    rebuild = GatedRebuild()
+    return AsyncEngine(first, rebuild=rebuild), rebuild
 
 
 def test_policy_checks_its_arguments() -> None:
@@ -146,12 +144,8 @@ async def test_failed_rebuild_ends_everything() -> None:
 
 async def test_commands_during_a_restart_wait_then_proceed() -> None:
     """While rebuilding: check_health says restarting; new requests and calls wait, then run."""
-    first, second = FakeEngine(), FakeEngine()
-    failing_after(first, 3, OSError("device lost"))
-    rebuild = GatedRebuild(second)
-    building, release = rebuild.building, rebuild.release
-
-    engine = AsyncEngine(first, rebuild=rebuild)
+    engine, rebuild = restarting()
+    building, release, second = rebuild.building, rebuild.release, rebuild.engine
     before = engine.generate("before", TWENTY)
     assert await asyncio.to_thread(building.wait, 10)
     with pytest.raises(EngineRestartingError, match="restarting after OSError: device lost"):
@@ -248,12 +242,8 @@ async def test_pool_fails_over_and_the_member_rejoins() -> None:
 
 async def test_close_during_a_restart() -> None:
     """aclose() while rebuilding: streams end with EngineClosedError; the new engine is shut."""
-    first, second = FakeEngine(), FakeEngine()
-    failing_after(first, 3, OSError("device lost"))
-    rebuild = GatedRebuild(second)
-    building, release = rebuild.building, rebuild.release
-
-    engine = AsyncEngine(first, rebuild=rebuild)
+    engine, rebuild = restarting()
+    building, release, second = rebuild.building, rebuild.release, rebuild.engine
     stream = engine.generate("r", TWENTY)
     assert await asyncio.to_thread(building.wait, 10)
     closing = asyncio.ensure_future(engine.aclose(timeout=10))
@@ -267,12 +257,8 @@ async def test_close_during_a_restart() -> None:
 
 async def test_abort_during_a_restart() -> None:
     """A stream closed while the engine is rebuilt ends; its request leaves the new engine."""
-    first, second = FakeEngine(), FakeEngine()
-    failing_after(first, 3, OSError("device lost"))
-    rebuild = GatedRebuild(second)
-    building, release = rebuild.building, rebuild.release
-
-    engine = AsyncEngine(first, rebuild=rebuild)
+    engine, rebuild = restarting()
+    building, release, second = rebuild.building, rebuild.release, rebuild.engine
     leaving = engine.generate("leaving", SamplingParams(max_tokens=10**6), request_id="leaving")
     staying = engine.generate("staying", TWENTY)
     assert await asyncio.to_thread(building.wait, 10)

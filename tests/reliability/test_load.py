@@ -17,22 +17,14 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, RequestStream
-from support import FakeEngine, unfinished
+from support import FakeEngine, random_prompts, unfinished
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
-def prompts(n: int, seed: int) -> list[TokensPrompt]:
-    rng = random.Random(seed)
-    return [
-        TokensPrompt(prompt_token_ids=[rng.randrange(260, 500) for _ in range(rng.randint(16, 64))])
-        for _ in range(n)
-    ]
-
-
 async def test_resets_under_load(engine: AsyncEngine, figures: Callable[[str], None]) -> None:
     """20 resets of running requests at random steps: all True, every greedy token unchanged."""
-    work = prompts(64, seed=5)
+    work = random_prompts(64, seed=5)
     reference = await asyncio.gather(*(engine.generate(p, GREEDY) for p in work))
     assert await engine.reset_prefix_cache()
     began = time.monotonic()
@@ -66,7 +58,7 @@ async def test_slow_and_stuck_consumers(
     )
     me = psutil.Process()
     rss_before = me.memory_info().rss
-    stuck = [engine.generate(p, delta) for p in prompts(8, seed=7)]
+    stuck = [engine.generate(p, delta) for p in random_prompts(8, seed=7)]
 
     async def slow_reader(stream: RequestStream) -> tuple[int, int]:
         tokens = outputs = 0
@@ -77,7 +69,9 @@ async def test_slow_and_stuck_consumers(
         return tokens, outputs
 
     began = time.monotonic()
-    slow = await asyncio.gather(*(slow_reader(engine.generate(p, delta)) for p in prompts(64, 8)))
+    slow = await asyncio.gather(
+        *(slow_reader(engine.generate(p, delta)) for p in random_prompts(64, 8))
+    )
     slow_seconds = time.monotonic() - began
     probe_began = time.monotonic()
     probe = await engine.generate("pace probe", GREEDY)

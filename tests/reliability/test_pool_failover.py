@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 from collections.abc import Callable
@@ -18,24 +17,15 @@ from pathlib import Path
 
 import pytest
 from vllm import SamplingParams
-from vllm.inputs import TokensPrompt
 
 from asynckv import AsyncEnginePool, RestartPolicy
 from asynckv._vllm import engine_processes
-from support import engine_args
+from support import engine_args, random_prompts
 
 # Two engine starts and a restart, on 2 busy cores.
 pytestmark = pytest.mark.timeout(900)
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-
-
-def prompts(n: int, seed: int) -> list[TokensPrompt]:
-    rng = random.Random(seed)
-    return [
-        TokensPrompt(prompt_token_ids=[rng.randrange(260, 500) for _ in range(rng.randint(16, 64))])
-        for _ in range(n)
-    ]
 
 
 async def test_killed_member_fails_over_and_rejoins(
@@ -47,7 +37,7 @@ async def test_killed_member_fails_over_and_rejoins(
         [args, args], restart=RestartPolicy(max_restarts=2, window=600.0)
     )
     async with pool:
-        work = prompts(24, seed=41)
+        work = random_prompts(24, seed=41)
         reference = await asyncio.gather(*(pool.generate(p, GREEDY) for p in work))
         streams = [pool.generate(p, GREEDY, request_id=f"s{i}") for i, p in enumerate(work)]
         moved = [i for i in range(len(work)) if pool.engine_of(f"s{i}") == 0]

@@ -14,7 +14,6 @@ The kill test and the shutdown test change the cluster and so stay last.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import openai
 import psutil
 import pytest
 
-from support import free_port
+from support import child_env, free_port
 
 # Cluster and replica starts (tens of seconds each on 2 cores) count against the first test.
 pytestmark = [
@@ -103,18 +102,13 @@ def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """The two-node cluster with the application deployed; stopped and swept at the end."""
     log = tmp_path_factory.mktemp("ray") / "ray.log"
     token = uuid.uuid4().hex
-    env = {
-        **os.environ,
-        TOKEN_VAR: token,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
-        ),
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "RAY_USAGE_STATS_ENABLED": "0",
+    env = child_env(
+        **{TOKEN_VAR: token},
+        RAY_USAGE_STATS_ENABLED="0",
         # Older Rays' switch for killing what a dead worker leaves (its engine); Ray 2.60
         # kills the worker's process group anyway and logs this switch as deprecated.
-        "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "true",
-    }
+        RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper="true",
+    )
     port, http_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     common = (

@@ -20,7 +20,6 @@ import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -28,7 +27,7 @@ import openai
 import pytest
 
 from asynckv.testing import demo_model
-from support import ServerProcess, free_port, launch_server, stop_server, wait_until_healthy
+from support import Launch, ServerProcess, http_client, openai_client, serve_bench, served
 
 # Server starts (15-200 s on 2 busy cores) count against the first test's timeout.
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(600)]
@@ -51,36 +50,20 @@ FLAGS = [
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     """Both servers, started together and healthy; stopped with SIGTERM at the end."""
     model = str(demo_model())
-    logs = tmp_path_factory.mktemp("serve")
-    ports = {"asynckv": free_port(), "vllm": free_port()}
-    commands = {
-        "asynckv": [
-            *(sys.executable, "-m", "asynckv.serve", *FLAGS),
-            *("--port", str(ports["asynckv"]), "--max-pending", str(MAX_PENDING)),
-        ],
-        "vllm": [
-            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", *FLAGS),
-            *("--port", str(ports["vllm"]), "--model", model, "--served-model-name", "demo"),
-            *("--chat-template", TEMPLATE),
-        ],
-    }
-    started = {
-        name: launch_server(command, logs / f"{name}.log", "demo", ports[name])
-        for name, command in commands.items()
-    }
-    children: dict[str, list[Any]] = {}
-    try:
-        for name, server in started.items():
-            children[name] = wait_until_healthy(server)
-        yield started
-    finally:
-        failures = []
-        for name, server in started.items():
-            try:
-                stop_server(server, children.get(name, []), tracebacks_ok=name == "vllm")
-            except BaseException as exc:  # stop the other one too, then report
-                failures.append(f"{name}: {exc}")
-        assert not failures, failures
+    asynckv_serve = [
+        *(sys.executable, "-m", "asynckv.serve", *FLAGS),
+        *("--max-pending", str(MAX_PENDING)),
+    ]
+    vllm_serve = [
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", *FLAGS),
+        *("--model", model, "--served-model-name", "demo", "--chat-template", TEMPLATE),
+    ]
+    with served(
+        tmp_path_factory.mktemp("serve"),
+        asynckv=Launch(asynckv_serve, "demo"),
+        vllm=Launch(vllm_serve, "demo", tracebacks_ok=True),
+    ) as up:
+        yield up
 
 
 @pytest.fixture(scope="module", params=["asynckv", "vllm"])
@@ -92,20 +75,13 @@ def server(request: pytest.FixtureRequest, servers: dict[str, ServerProcess]) ->
 
 @pytest.fixture
 async def http(server: ServerProcess) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        base_url=server.url,
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=httpx.Timeout(120.0),
-        limits=httpx.Limits(max_connections=None),
-    ) as client:
+    async with http_client(server, KEY) as client:
         yield client
 
 
 @pytest.fixture
 async def oai(server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120.0
-    ) as client:
+    async with openai_client(server, KEY) as client:
         yield client
 
 
@@ -204,20 +180,11 @@ async def test_models_and_tokenize(http: httpx.AsyncClient) -> None:
     assert back.json()["prompt"] == line  # without the <s> that /tokenize adds
 
 
-def _bench_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "benchmarks" / "serve.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_vllm_bench_serve(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's own benchmark client, at a small size, completes every request (what CI runs)."""
     import argparse
 
-    bench = _bench_module()
+    bench = serve_bench()
     monkeypatch.setenv("OPENAI_API_KEY", KEY)  # the client sends it as its bearer token
     opts = argparse.Namespace(input_len=32, output_len=8, seed=0, logs=None)
     got = bench.client(server.url, str(demo_model()), 4, 16, opts, served="demo")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import random
 import sys
@@ -26,7 +25,7 @@ import openai
 import psutil
 import pytest
 
-from support import ServerProcess, free_port, launch_server, stop_server, wait_until_healthy
+from support import Launch, ServerProcess, http_client, openai_client, serve_bench, served
 
 # The server runs as a subprocess with vLLM's default engine settings, sized for this machine.
 # Server starts (15-200 s on 2 busy cores) count against the first test's timeout.
@@ -45,41 +44,27 @@ Server = ServerProcess
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The server in a subprocess, healthy; at the end, SIGTERM must stop it cleanly."""
-    port = free_port()
     command = [
         sys.executable,
         str(SERVER),
-        *("--host", "127.0.0.1", "--port", str(port), "--model", str(model_path)),
+        *("--host", "127.0.0.1", "--model", str(model_path)),
         *("--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--enforce-eager"),
         *("--engines", str(ENGINES), "--api-key", KEY, "--max-pending", str(MAX_PENDING)),
         "--disable-log-stats",
     ]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    started = launch_server(command, log, str(model_path), port)
-    children: list[psutil.Process] = []
-    try:
-        children = wait_until_healthy(started)
-        yield started
-    finally:
-        stop_server(started, children)
+    with served(tmp_path_factory.mktemp("server"), server=Launch(command, str(model_path))) as up:
+        yield up["server"]
 
 
 @pytest.fixture
 async def client(server: Server) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        base_url=server.url,
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=httpx.Timeout(120.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
-    ) as http:
+    async with http_client(server, KEY) as http:
         yield http
 
 
 @pytest.fixture
 async def oai(server: Server) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120.0
-    ) as api:
+    async with openai_client(server, KEY) as api:
         yield api
 
 
@@ -424,20 +409,11 @@ async def test_echo_and_logprobs(client: httpx.AsyncClient, model_path: Path, st
     assert all(len(t) <= 3 for t in top[1:])  # the sampled token and the 2 most likely
 
 
-def _bench_module() -> Any:
-    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "benchmarks" / "serve.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_vllm_bench_serve(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's own benchmark client (the random dataset, streaming) completes every request."""
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     opts = argparse.Namespace(input_len=32, output_len=8, seed=0, logs=None)
-    got = _bench_module().client(server.url, server.model, 4, 16, opts)
+    got = serve_bench().client(server.url, server.model, 4, 16, opts)
     assert (got["completed"], got["failed"]) == (16, 0), got
 
 

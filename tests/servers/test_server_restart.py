@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from support import ServerProcess, free_port, launch_server, stop_server, wait_until_healthy
+from support import Launch, ServerProcess, http_client, served
 
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(900)]
 
@@ -30,29 +30,21 @@ TOKENS = 48
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The server with a restart policy, in a subprocess; SIGTERM must stop it cleanly."""
-    port = free_port()
     command = [
         sys.executable,
         str(SERVER),
-        *("--host", "127.0.0.1", "--port", str(port), "--model", str(model_path)),
+        *("--host", "127.0.0.1", "--model", str(model_path)),
         *("--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--enforce-eager"),
         *("--dtype", "float32", "--restart", "2", "--disable-log-stats"),
     ]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    started = launch_server(command, log, str(model_path), port)
-    children: list[psutil.Process] = []
-    try:
-        children = wait_until_healthy(started)
-        yield started
-    finally:
-        # The killed core's replacement is a child too: stop_server waits for all of them.
-        live = psutil.Process(started.process.pid).children(recursive=True)
-        stop_server(started, [*children, *live])
+    # The killed core's replacement is a child too: the launcher waits for it at the end.
+    with served(tmp_path_factory.mktemp("server"), server=Launch(command, str(model_path))) as up:
+        yield up["server"]
 
 
 @pytest.fixture
 async def client(server: ServerProcess) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(300.0)) as http:
+    async with http_client(server, timeout=300.0) as http:
         yield http
 
 
