@@ -11,7 +11,12 @@ would; the worker sees it through its output hook. So steps happen exactly when
 the test says, and the worker, with no credit, sleeps on its inbox and serves
 commands. It honours ``output_kind`` and ``n`` as vLLM's output processor
 does, records how every request ended, and flags a step that the model says
-cannot happen (while a hold or a "keep" pause stops the stepping).
+cannot happen (while a hold or a "keep" pause stops the stepping). Its tokens
+are 0, 1, 2, ...; a token-ids prompt (a request resumed after a restart) of
+length ``k`` continues that count from ``k - 1``, as a greedy engine would.
+A rebuilt one (``primed=False``) starts as vLLM does before its output hook
+has fired once: the worker may step it without a credit, and that step
+blocks until one comes (``outputs_queue.watched`` says when the hook is in).
 
 ``LoopThread`` is an event loop running forever on a thread of its own;
 ``call`` runs a coroutine there and waits for it, bounded. ``Consumer`` is a
@@ -105,6 +110,20 @@ class _Request:
     kind: RequestOutputKind
     n: int
     limit: int
+    offset: int  # tokens generated before this engine had the request (a resumed one)
+
+
+class WatchedQueue(queue.Queue[object]):
+    """The core's output queue; ``watched`` is set once the worker hooks its ``put``."""
+
+    def __init__(self) -> None:
+        self.watched = threading.Event()
+        super().__init__()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name == "put":
+            self.watched.set()
 
 
 class CreditEngine(FakeEngine):
@@ -114,10 +133,12 @@ class CreditEngine(FakeEngine):
     (``forbidden``, ``ceiling``, credits); ``cond`` guards what both read.
     """
 
-    def __init__(self, process: FakeCoreProcess | None = None) -> None:
+    def __init__(self, process: FakeCoreProcess | None = None, primed: bool = True) -> None:
         super().__init__()
         self.cond = threading.Condition()
-        self.outputs_queue: queue.Queue[object] = queue.Queue()
+        self.outputs_queue = WatchedQueue()
+        self.primed = primed
+        """False: until a credit has come, a step waits for one (see the module docstring)."""
         manager = SimpleNamespace(processes=[] if process is None else [process])
         self.engine_core = SimpleNamespace(
             shutdown=self._shutdown,
@@ -147,12 +168,13 @@ class CreditEngine(FakeEngine):
     def add_request(
         self, request_id: str, prompt: object, params: SamplingParams, /, **_: object
     ) -> None:
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         with self.cond:
             self.log.append(f"add {request_id}")
             self.tokens[request_id] = []
             self.limits[request_id] = params.max_tokens or 16
             self.requests[request_id] = _Request(
-                params.output_kind, params.n, self.limits[request_id]
+                params.output_kind, params.n, self.limits[request_id], len(ids) - 1 if ids else 0
             )
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -161,7 +183,7 @@ class CreditEngine(FakeEngine):
                 self.log.append(f"abort {rid}")
                 tokens = self.tokens.pop(rid, None)
                 if tokens is not None:
-                    self.ended[rid] = ("abort", len(tokens))
+                    self.ended[rid] = ("abort", self.requests[rid].offset + len(tokens))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, *_: object) -> bool:
         with self.cond:
@@ -172,9 +194,13 @@ class CreditEngine(FakeEngine):
     def step(self) -> list[RequestOutput]:
         self.step_entered.set()
         try:
-            item = self.outputs_queue.get_nowait()
+            if self.primed:
+                item = self.outputs_queue.get_nowait()
+            else:
+                item = self.outputs_queue.get(timeout=BOUND)
         except queue.Empty:
             item = None
+        self.primed = True
         if isinstance(item, BaseException):
             raise item  # what vLLM's get_output does with the dead core's error
         with self.cond:
@@ -199,11 +225,11 @@ class CreditEngine(FakeEngine):
         outputs: list[RequestOutput] = []
         for rid, tokens in list(self.tokens.items()):
             request = self.requests[rid]
-            tokens.append(len(tokens))
+            tokens.append(request.offset + len(tokens))
             done = len(tokens) >= request.limit
             if done:
                 del self.tokens[rid]
-                self.ended[rid] = ("length", len(tokens))
+                self.ended[rid] = ("length", request.offset + len(tokens))
             outputs += _request_outputs(rid, request, tokens, done)
         return outputs
 
@@ -226,7 +252,7 @@ class CreditEngine(FakeEngine):
     def unfinished(self) -> dict[str, int]:
         """The requests the engine holds, with their token counts."""
         with self.cond:
-            return {rid: len(tokens) for rid, tokens in self.tokens.items()}
+            return {rid: self.requests[rid].offset + len(t) for rid, t in self.tokens.items()}
 
 
 def _request_outputs(

@@ -16,6 +16,21 @@ watchdog), and ``aclose()``. After an end the machine checks the engine's
 post-mortem answers and starts a fresh engine (``restart``), so one run may
 cover several lifetimes.
 
+Half the lifetimes have a ``RestartPolicy`` (``max_restarts`` 1 or 2, with
+``rebuild=`` building a fresh ``CreditEngine``), and a ``kill`` rule, drawn
+like any other, kills the engine in the same three ways. Within the policy
+the model predicts a restart: ``stats().restarts`` counts it and
+``check_health()`` passes after; every request the engine held continues
+(a streaming one that was sent tokens resumes from its last token, so its
+stream shows every token once; a FINAL_ONLY one, or one sent nothing, runs
+again from its prompt), parked requests stay parked, a pause or hold in
+place stays in place, and the call that met the dead core is applied again
+on the new one. A gated rebuild (the rebuild waits for the test) shows
+``check_health()`` raising ``EngineRestartingError`` meanwhile and a call
+issued then waiting in the inbox until the new engine serves it. The death
+beyond the policy ends everything with ``EngineDeadError`` naming every
+death.
+
 After every rule it checks that the engine agrees with the model: the
 requests the engine holds (asked between two steps), ``stats()`` and
 ``is_paused()``, that every consumer, hold and pending pause has completed if
@@ -47,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pytest
-from hypothesis import note, settings
+from hypothesis import event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -67,7 +82,9 @@ from asynckv import (
     EngineClosedError,
     EngineDeadError,
     EngineHeldError,
+    EngineRestartingError,
     RequestStream,
+    RestartPolicy,
 )
 from model_support import (
     BOUND,
@@ -88,6 +105,7 @@ from model_support import (
 
 AVOID = frozenset(filter(None, os.environ.get("ASYNCKV_MODEL_AVOID", "").split(",")))
 LONG = 10**6  # tokens: a request that never finishes by itself
+RESTARTS = st.sampled_from([None, None, 1, 2])  # a lifetime's RestartPolicy.max_restarts
 MIN_AGE = 12  # rules in a lifetime before it may end
 MAX_HOLDS = 2  # holds at once (active or pending): more would stop the stepping for good
 CONSUMERS: list[ConsumerKind] = ["await", "iterate"]
@@ -116,7 +134,7 @@ class Req:
     tokens: int = 0
     outcome: str = ""  # once ended: length, abort, dead or closed
     end_tokens: int = 0
-    cause: str = ""  # for dead: text the error's message must contain
+    cause: str = ""  # for dead: lines of text the error's message must contain
     stream: RequestStream | None = None  # the model's reference, if it holds one
     consumer: Consumer | None = None
     unread: bool = False  # the stream holds output (or its end) nobody has taken
@@ -181,19 +199,31 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- lifetimes -----------------------------------------------------------------
 
-    @initialize(process=st.booleans())
-    def start(self, process: bool) -> None:
-        self._start(process)
+    @initialize(process=st.booleans(), restarts=RESTARTS)
+    def start(self, process: bool, restarts: int | None) -> None:
+        self._start(process, restarts)
 
-    def _start(self, process: bool) -> None:
+    def _start(self, process: bool, restarts: int | None) -> None:
         proc = FakeCoreProcess() if process else None
         if proc is not None:
             self.processes.append(proc)
         self.process = proc
         self.fake = CreditEngine(proc)
-        self.engine = AsyncEngine(self.fake, freeze_gc=False)
+        self.policy = restarts
+        self.deaths: list[str] = []
+        self.steps_base = 0  # the model's step count when this fake came in
+        self.rebuilt: list[tuple[CreditEngine, FakeCoreProcess | None]] = []
+        self.building, self.built = threading.Event(), threading.Event()
+        self.gate: threading.Event | None = None
+        if restarts is None:
+            self.engine = AsyncEngine(self.fake, freeze_gc=False)
+        else:
+            policy = RestartPolicy(max_restarts=restarts, window=3600.0)
+            self.engine = AsyncEngine(
+                self.fake, freeze_gc=False, rebuild=self._rebuild, restart=policy
+            )
         self.lifetimes += 1
-        note(f"-- engine {self.lifetimes} (core process: {process})")
+        note(f"-- engine {self.lifetimes} (core process: {process}, restarts: {restarts})")
         self.phase = "alive"
         self.age = 0
         self.cause = ""
@@ -236,6 +266,20 @@ class EngineMachine(RuleBasedStateMachine):
         for req in self.reqs.values():
             req.stream = None
 
+    def _rebuild(self) -> CreditEngine:
+        """The ``rebuild`` of a lifetime with a policy (on the worker thread)."""
+        self.building.set()
+        gate = self.gate
+        if gate is not None and not gate.wait(BOUND):
+            raise Hang("hang: the gated rebuild was never released")
+        proc = FakeCoreProcess() if self.process is not None else None
+        if proc is not None:
+            self.processes.append(proc)
+        fake = CreditEngine(proc, primed=False)
+        self.rebuilt.append((fake, proc))
+        self.built.set()
+        return fake
+
     def teardown(self) -> None:
         try:
             if self.phase != "none":
@@ -260,6 +304,12 @@ class EngineMachine(RuleBasedStateMachine):
         record: bool = True,
     ) -> Result:
         """Run a call on ``loop``, bounded; record its answer in that loop's order."""
+        return wait(self._submit(loop, factory, record), f"{what} on loop {loop}")
+
+    def _submit(
+        self, loop: int, factory: Callable[[], Coroutine[Any, Any, Any]], record: bool = True
+    ) -> concurrent.futures.Future[Result]:
+        """Start a call on ``loop``; its answer is recorded in that loop's order."""
         seq = self.issued[loop]
         self.issued[loop] += 1
         answers = self.answers[loop]
@@ -273,7 +323,7 @@ class EngineMachine(RuleBasedStateMachine):
                 if record:
                     answers.append(seq)
 
-        return self.loops[loop].call(go, f"{what} on loop {loop}")
+        return self.loops[loop].submit(go())
 
     def _noop(self, loop: int) -> None:
         result = self._run(loop, lambda: self.engine.run_on_engine(_noop), "barrier", False)
@@ -290,7 +340,7 @@ class EngineMachine(RuleBasedStateMachine):
                 f"{what}: expected {error.__name__}, got {result.error!r} / {result.value!r}"
             )
             if isinstance(result.error, EngineDeadError):
-                assert self.cause in str(result.error), (result.error, self.cause)
+                _names(result.error, self.cause)
 
     def _running(self) -> list[Req]:
         return [r for r in self.reqs.values() if r.state == "running"]
@@ -960,7 +1010,9 @@ class EngineMachine(RuleBasedStateMachine):
             how = "core"
         if how == "process" and self.process is None:
             how = "core"
-        if how == "close":
+        if how != "close" and self.policy is not None:
+            self._kill(how, loop, gated=False)
+        elif how == "close":
             result = self._run(loop, lambda: self.engine.aclose(), "aclose", record=False)
             self._expect(result, "aclose", None)
             self._closed()
@@ -987,6 +1039,130 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.engine.errored
             self._die("ChildProcessError: engine process FakeEngineCore")
 
+    @precondition(lambda self: self._killable())
+    @rule(how=st.sampled_from(["step", "step", "core", "process"]), loop=LOOP, gated=st.booleans())
+    def kill(self, how: str, loop: int, gated: bool) -> None:
+        """Under a RestartPolicy, with tokens made in the engine: kill it; it restarts, or dies.
+
+        (``end`` kills it too, whatever it holds.)
+        """
+        if how == "step" and not self._can_step():
+            how = "core"
+        if how == "process" and self.process is None:
+            how = "core"
+        self._kill(how, loop, gated)
+
+    @precondition(lambda self: self._killable())
+    @rule(how=st.sampled_from(["step", "step", "core", "process"]), loop=LOOP, gated=st.booleans())
+    def kill_again(self, how: str, loop: int, gated: bool) -> None:
+        """The same as ``kill``: a second rule, so that deaths with tokens made come often."""
+        self.kill(how, loop, gated)
+
+    def _killable(self) -> bool:
+        # With a request in the engine that has made tokens: a death it must survive.
+        return (
+            self.phase == "alive"
+            and self.policy is not None
+            and any(r.tokens for r in self._running())
+        )
+
+    def _kill(self, how: str, loop: int, gated: bool) -> None:
+        assert self.policy is not None
+        old, number = self.fake, len(self.deaths) + 1
+        beyond = number > self.policy
+        cause = {
+            "step": f"RuntimeError: boom at step {self.steps + 1}",
+            "core": "EngineDeadError: EngineCore encountered an issue",
+            "process": "ChildProcessError: engine process FakeEngineCore",
+        }[how]
+        self.deaths.append(cause)
+        gated = gated and not beyond
+        note(f"-- engine {self.lifetimes}: death {number} ({how}{', gated' if gated else ''})")
+        self.gate = threading.Event() if gated else None
+        self.building.clear()
+        self.built.clear()
+        called: concurrent.futures.Future[Result] | None = None
+        if how == "step":
+            old.fail_with = RuntimeError(f"boom at step {self.steps + 1}")
+            old.credit()
+        elif how == "core":
+
+            def dead(engine: object) -> str:
+                if engine is old:
+                    raise VllmEngineDeadError()
+                return "applied again"
+
+            # A call into the engine core finds it dead; it is applied again on the new one.
+            called = self._submit(loop, lambda: self.engine.run_on_engine(dead))
+        else:
+            assert self.process is not None
+            self.process.kill()
+        event(f"death {'beyond the policy' if beyond else 'restarted'}: {how}")
+        if gated:
+            event("death: a gated rebuild")
+        if beyond:
+            wait_event(old.shut_down, "the engine stopping after its last death")
+            self._die("\n".join([f"died {number} times", *self.deaths]))
+            if called is not None:
+                self._expect(wait(called, "run_on_engine into a dead core"), "it", EngineDeadError)
+            assert self.engine.errored
+            return
+        wait_event(self.building, "the rebuild starting")
+        wait_event(old.shut_down, "the dead engine's shutdown")
+        assert not old.violations, old.violations
+        waiting: concurrent.futures.Future[Result] | None = None
+        if self.gate is not None:
+            # Degraded, not dead: check_health says so; a call issued now waits in the inbox.
+            assert self.engine.restarting
+            health = self._run(loop, self.engine.check_health, "check_health", False)
+            self._expect(health, "check_health while restarting", EngineRestartingError)
+            assert cause in str(health.error), (health.error, cause)
+            waiting = self._submit(1 - loop, lambda: self.engine.run_on_engine(_itself))
+            assert not waiting.done(), "a call was answered while the engine was rebuilt"
+            self.gate.set()
+        wait_event(self.built, "the new engine being built")
+        self._restarted()
+        if called is not None:
+            result = wait(called, "run_on_engine applied again on the new engine")
+            self._expect(result, "run_on_engine into a dead core", None)
+            assert result.value == "applied again", result
+        if waiting is not None:
+            result = wait(waiting, "the call issued during the rebuild")
+            self._expect(result, "run_on_engine during the rebuild", None)
+            assert result.value is self.fake, "the call issued meanwhile ran on the old engine"
+        health = self._run(loop, self.engine.check_health, "check_health", False)
+        self._expect(health, "check_health after the restart", None)
+
+    def _restarted(self) -> None:
+        """The new engine is in: the model's requests resume on it, and it takes one credit."""
+        fake, proc = self.rebuilt[-1]
+        lo, hi = self.resets  # counted on the dead engine so far; the rest come on the new one
+        done = self.fake.resets
+        self.resets = (max(0, lo - done), max(0, hi - done))
+        self.fake, self.process, self.steps_base = fake, proc, self.steps
+        for req in self._running():
+            if req.kind is RequestOutputKind.FINAL_ONLY or req.tokens == 0:
+                req.tokens = 0  # its stream was sent nothing: it runs again from its prompt
+        self._limits()
+        note(f"-- engine {self.lifetimes}: restarted ({len(self.deaths)})")
+        resumed = [r for r in self._running() if r.tokens]
+        event(f"restart: {'resumed' if resumed else 'no request sent tokens'}")
+        # The first credit once the worker hooks the new core's outputs: the hook fires.
+        wait_event(fake.outputs_queue.watched, "the worker hooking the new core's outputs")
+        fake.credit()
+        if self._can_step():
+            with fake.cond:
+                stepped = fake.cond.wait_for(lambda: fake.productive > 0, BOUND)
+            if not stepped:
+                raise Hang(f"hang: no step on the new engine within {BOUND} s of a credit")
+            note(f"step {self.steps + 1} (the new engine's first)")
+            self._on_step(productive=True)
+            for i in (0, 1):
+                self._noop(i)
+        else:
+            drained = self._run(0, lambda: self.engine.run_on_engine(_drain), "drain", False)
+            assert drained.value == 1, drained
+
     @precondition(lambda self: self.phase in ("dead", "closed"))
     @rule(
         loop=LOOP,
@@ -1008,10 +1184,11 @@ class EngineMachine(RuleBasedStateMachine):
         self._expect(result, f"{call} after the end", self._gone())
 
     @precondition(lambda self: self.phase in ("dead", "closed"))
-    @rule(process=st.booleans())
-    def restart(self, process: bool) -> None:
+    @rule(process=st.booleans(), restarts=RESTARTS)
+    def restart(self, process: bool, restarts: int | None) -> None:
+        """A fresh engine for a new lifetime."""
         self._finish()
-        self._start(process)
+        self._start(process, restarts)
 
     # -- the invariant ---------------------------------------------------------------
 
@@ -1040,16 +1217,22 @@ class EngineMachine(RuleBasedStateMachine):
         snapshot = self._run(0, lambda: self.engine.run_on_engine(_unfinished), "snapshot", False)
         self._expect(snapshot, "snapshot", None)
         expected = {r.rid: r.tokens for r in self._running()}
-        assert snapshot.value == expected, (
+        # A resumed n=2 request is one engine request per completion: <id>#<restart>.<index>.
+        held: dict[str, set[int]] = {}
+        for engine_id, tokens in snapshot.value.items():
+            held.setdefault(engine_id.split("#")[0], set()).add(tokens)
+        assert {rid: _one(counts) for rid, counts in held.items()} == expected, (
             f"the engine holds {snapshot.value}, the model says {expected}"
         )
         assert not self.fake.violations, self.fake.violations
-        assert self.engine.step_count == self.fake.steps == self.steps, (
-            self.engine.step_count,
+        assert self.engine.step_count == self.steps, (self.engine.step_count, self.steps)
+        assert self.fake.steps == self.steps - self.steps_base, (
             self.fake.steps,
             self.steps,
+            self.steps_base,
         )
         stats = self.engine.stats()
+        assert stats.restarts == len(self.deaths), (stats, self.deaths)
         parked = sum(r.state == "parked" for r in self.reqs.values())
         assert stats.requests_in_flight == len(expected), (stats, expected)
         assert stats.requests_waiting == parked, (stats, parked)
@@ -1144,7 +1327,7 @@ class EngineMachine(RuleBasedStateMachine):
             f"{req.rid} ({req.state}, {req.outcome}): raised {error!r}\n{trace}"
         )
         if isinstance(error, EngineDeadError):
-            assert req.cause in str(error), (str(error), req.cause)
+            _names(error, req.cause)
         req.consumed_end = True
 
     def _piece(self, req: Req, out: RequestOutput, awaited: bool) -> None:
@@ -1203,6 +1386,21 @@ class EngineMachine(RuleBasedStateMachine):
 
 def _noop(_: object) -> None:
     return None
+
+
+def _one(counts: set[int]) -> int | set[int]:
+    """The one count all completions of a request have (else all of them, to fail on)."""
+    return next(iter(counts)) if len(counts) == 1 else counts
+
+
+def _names(error: BaseException, cause: str) -> None:
+    """``error``'s message names each death in ``cause`` (one a line)."""
+    for line in cause.split("\n"):
+        assert line in str(error), (str(error), cause)
+
+
+def _itself(engine: object) -> object:
+    return engine
 
 
 def _drain(engine: Any) -> int:
