@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
+import structlog
 from hypothesis import HealthCheck, settings
 from pytest_asyncio.plugin import PytestAsyncioFunction
+from structlog.testing import capture_logs
 
 from asynckv import AsyncEngine
 from asynckv.testing import tiny_model
@@ -119,6 +121,14 @@ def inproc_engine(model_path: Path) -> Iterator[AsyncEngine]:
     wrapped = AsyncEngine(llm_engine)
     yield wrapped
     wrapped.shutdown()
+
+
+@pytest.fixture
+def logs() -> Iterator[list[MutableMapping[str, Any]]]:
+    """Capture structlog events; restore structlog's defaults afterwards."""
+    with capture_logs() as captured:
+        yield captured
+    structlog.reset_defaults()
 
 
 # -- the reliability suite: each test reports its figures at the end of the run --
