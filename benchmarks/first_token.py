@@ -32,7 +32,7 @@ from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from asynckv import AsyncEngine
-from asynckv._loop._sink import _Sink
+from asynckv._loop._stream import _Sink
 from asynckv.testing import tiny_model
 
 PHASES = ("loop", "inbox", "pass", "add", "core", "deliver", "wake", "ttft")

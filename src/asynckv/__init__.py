@@ -15,9 +15,8 @@ from ._errors import (
 )
 from ._log import configure_logging
 from ._loop._engine import AsyncEngine
-from ._loop._metrics import RequestMetrics
 from ._loop._steps import StepStream
-from ._loop._stream import RequestStream
+from ._loop._stream import RequestMetrics, RequestStream
 from ._pool._pool import AsyncEnginePool
 from ._serve._client import AsyncEngineClient
 from ._stats import EngineStats, StepRecord

@@ -16,7 +16,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from asynckv._bridge._loops import current
 from asynckv._loop._pace import Pacer
-from asynckv._loop._sink import _Sink
+from asynckv._loop._stream import _Sink
 
 
 class _Clock:

@@ -49,7 +49,7 @@ _Callback = tuple[Callable[..., None], tuple[Any, ...]]
 class Sink(Protocol):
     """Where one request's outputs go: what the worker posts to, on the request's loop.
 
-    The loop side's ``_Sink`` (``_loop/_sink.py``) is one; the worker never
+    The loop side's ``_Sink`` (``_loop/_stream.py``) is one; the worker never
     calls these methods itself, it posts them to ``loop`` through an ``Outbox``.
     """
 

@@ -37,9 +37,8 @@ from .._worker._worker import Worker
 from . import _checks
 from ._asyncllm import AsyncLLMMethods, BuildRecord
 from ._requests import RequestArgs, engine_options, pump
-from ._sink import _Sink
 from ._steps import StepStream
-from ._stream import RequestStream
+from ._stream import RequestStream, _Sink
 
 if TYPE_CHECKING:
     from types import TracebackType
