@@ -156,7 +156,7 @@ import asyncio, sys
 sys.modules["trio"] = None  # importing trio now fails, as if it were not installed
 from vllm import SamplingParams
 from asynckv import AsyncEngine
-from support import FakeEngine
+from fakes import FakeEngine
 
 async def main() -> int:
     engine = AsyncEngine(FakeEngine(), freeze_gc=False)

@@ -11,7 +11,8 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, AsyncEnginePool, EngineClosedError
-from support import FakeEngine, running_backend
+from fakes import FakeEngine
+from support import running_backend
 
 pytestmark = pytest.mark.anyio
 

@@ -16,8 +16,8 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineHeldError
+from fakes import FakeEngine
 from model_support import BOUND, CreditEngine
-from support import FakeEngine
 
 LONG = SamplingParams(max_tokens=10**6)
 

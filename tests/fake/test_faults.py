@@ -12,7 +12,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineClosedError, EngineDeadError
-from support import FakeEngine
+from fakes import FakeEngine
 
 LONG = SamplingParams(max_tokens=10_000)
 

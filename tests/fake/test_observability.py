@@ -10,7 +10,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineDeadError, EngineStalledError
-from support import FakeEngine
+from fakes import FakeEngine
 
 
 async def test_engine_dead_logged_once_with_traceback(logs: list[MutableMapping[str, Any]]) -> None:

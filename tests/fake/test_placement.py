@@ -21,7 +21,8 @@ from vllm import SamplingParams
 
 from asynckv import AsyncEngine
 from asynckv._worker._placement import PIN_AT, UNPIN_AT
-from support import FakeEngine, first_outputs, worker_cpus
+from fakes import FakeEngine
+from support import first_outputs, worker_cpus
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS"

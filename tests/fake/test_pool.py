@@ -26,7 +26,7 @@ from asynckv import (
     EngineNotStartedError,
     RequestStream,
 )
-from support import FakeEngine
+from fakes import FakeEngine
 
 FIVE = SamplingParams(max_tokens=5)
 PREFIX = "A robot may not injure a human being or, through inaction, allow harm. " * 4

@@ -25,7 +25,7 @@ from asynckv import (
     RequestNotResumedError,
     RestartPolicy,
 )
-from support import FakeEngine
+from fakes import FakeEngine
 
 TWENTY = SamplingParams(max_tokens=20)
 

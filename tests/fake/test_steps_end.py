@@ -8,7 +8,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineDeadError, StepRecord
-from support import FakeEngine
+from fakes import FakeEngine
 
 
 async def _records(stream: object, n: int) -> list[StepRecord]:

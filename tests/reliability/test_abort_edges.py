@@ -9,7 +9,8 @@ from collections.abc import Callable
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine
-from support import FakeEngine, unfinished
+from fakes import FakeEngine
+from support import unfinished
 
 
 async def test_cancelled_before_admission(

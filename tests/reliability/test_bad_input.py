@@ -80,7 +80,7 @@ async def test_bad_input_matrix(engine: AsyncEngine, figures: Callable[[str], No
 
 async def test_generate_after_close(model_path: object) -> None:
     """generate() after close raises EngineClosedError at once."""
-    from support import FakeEngine
+    from fakes import FakeEngine
 
     engine = AsyncEngine(FakeEngine())
     await engine.aclose()

@@ -19,7 +19,8 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineClosedError, EngineDeadError
-from support import FakeEngine, child_processes, engine_args
+from fakes import FakeEngine
+from support import child_processes, engine_args
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 

@@ -17,7 +17,8 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, RequestStream
-from support import FakeEngine, random_prompts, unfinished
+from fakes import FakeEngine
+from support import random_prompts, unfinished
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
