@@ -31,8 +31,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv._bridge._loops import current
-from asynckv._loop._stream import _Sink
-from asynckv._loop._stream import RequestStream
+from asynckv._loop._stream import RequestStream, _Sink
 
 N = 20_000
 REPEATS = 15

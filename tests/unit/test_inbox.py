@@ -7,7 +7,7 @@ from collections import deque
 
 import pytest
 
-from asynckv._bridge._inbox import Inbox
+from asynckv._bridge._channel import Inbox
 
 
 def test_fifo_and_non_blocking_take() -> None:

@@ -10,7 +10,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from asynckv import (
     RestartPolicy,
 )
-from asynckv._bridge._commands import Add
+from asynckv._bridge._channel import Add
 from asynckv._worker._life import Deaths
 from asynckv._worker._resume import Progress
 

@@ -14,16 +14,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 import anyio
 from vllm.sampling_params import SamplingParams
 from vllm.usage.usage_lib import UsageContext
 
 from .._bridge import _loops
-from .._bridge._commands import Abort, Add, Call, Hold, Pause, Release, Reply, Reset, Resume
+from .._bridge._channel import Abort, Add, Call, Hold, Pause, Release, Reply, Reset, Resume
 from .._errors import (
     EngineClosedError,
     EngineDeadError,
@@ -34,7 +36,6 @@ from .._errors import (
 from .._stats import EngineStats
 from .._types import PauseMode, RestartPolicy
 from .._worker._worker import Worker
-from . import _checks
 from ._asyncllm import AsyncLLMMethods, BuildRecord
 from ._requests import RequestArgs, engine_options, pump
 from ._steps import StepStream
@@ -51,7 +52,15 @@ if TYPE_CHECKING:
 
     from .._vllm import BuildTime, EngineLike
 
-__all__ = ("AsyncEngine",)
+__all__ = (
+    "AsyncEngine",
+    "checked_pause_mode",
+    "checked_request_id",
+    "checked_request_ids",
+    "checked_restart",
+    "checked_sampling_params",
+    "checked_stream_interval",
+)
 
 R = TypeVar("R")
 
@@ -131,10 +140,10 @@ class AsyncEngine(AsyncLLMMethods):
             restart = RestartPolicy()
         self._record = BuildRecord(llm_engine)
         self._worker = Worker(
-            lambda: llm_engine, freeze_gc, _checks.restart(restart), rebuild, keep_off_model_cores
+            lambda: llm_engine, freeze_gc, checked_restart(restart), rebuild, keep_off_model_cores
         )
         self._closed = False
-        self._stream_interval = _checks.stream_interval(stream_interval)
+        self._stream_interval = checked_stream_interval(stream_interval)
         self._worker.start(None)
 
     @classmethod
@@ -245,12 +254,12 @@ class AsyncEngine(AsyncLLMMethods):
         self._record = BuildRecord()
         # A rebuilt engine is not recorded: the loop reads the first one's configs
         # and renderer, which a rebuild from the same arguments leaves as they were.
-        policy = _checks.restart(restart)
+        policy = checked_restart(restart)
         self._worker = Worker(
             self._record.wrap(build), freeze_gc, policy, build, keep_off_model_cores
         )
         self._closed = False
-        self._stream_interval = _checks.stream_interval(stream_interval)
+        self._stream_interval = checked_stream_interval(stream_interval)
         return self
 
     @property
@@ -264,7 +273,7 @@ class AsyncEngine(AsyncLLMMethods):
 
     @stream_interval.setter
     def stream_interval(self, seconds: float) -> None:
-        self._stream_interval = _checks.stream_interval(seconds)
+        self._stream_interval = checked_stream_interval(seconds)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -408,12 +417,12 @@ class AsyncEngine(AsyncLLMMethods):
             EngineClosedError, EngineDeadError, EngineNotStartedError: at once.
         """
         loop = _loops.current()
-        params = _checks.sampling_params(sampling_params)
-        rid = _checks.request_id(request_id)
+        params = checked_sampling_params(sampling_params)
+        rid = checked_request_id(request_id)
         interval = (
             self._stream_interval
             if stream_interval is None
-            else _checks.stream_interval(stream_interval)
+            else checked_stream_interval(stream_interval)
         )
         sink = _Sink(loop, rid, params.output_kind, params.n, interval)
         self._submit(Add(rid, prompt, params, kwargs, sink))
@@ -434,7 +443,7 @@ class AsyncEngine(AsyncLLMMethods):
         ``internal`` is ``AsyncLLM``'s flag for ids that vLLM made itself; asynckv
         hands out only the ids given to ``generate``, so both values abort them.
         """
-        ids = _checks.request_ids(request_id)
+        ids = checked_request_ids(request_id)
         await self._ask(lambda reply: Abort(ids, reply))
 
     async def add_request(
@@ -598,7 +607,7 @@ class AsyncEngine(AsyncLLMMethods):
                 pause or the caller's own ``paused()`` block stops the stepping
                 (it could never return); nothing changes.
         """
-        mode = _checks.pause_mode(mode)
+        mode = checked_pause_mode(mode)
         holding = _HOLDING.get()
         await self._ask(lambda reply: Pause(mode, clear_cache, reply, holding))
 
@@ -665,3 +674,62 @@ class AsyncEngine(AsyncLLMMethods):
         """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
         error = self._worker.dead_error
         return error or EngineDeadError(RuntimeError("the engine is alive"))
+
+
+# -- argument checks ------------------------------------------------------------------
+#
+# Of public arguments, shared by AsyncEngine and AsyncEnginePool. They run on the
+# caller's thread, before anything reaches a worker, so that a wrong argument fails
+# its own call at once and nothing else.
+
+
+def checked_sampling_params(params: object) -> SamplingParams:
+    """The request's parameters: the defaults for None; refuses what vLLM would hang on."""
+    checked = SamplingParams() if params is None else params
+    if not isinstance(checked, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, not {type(checked).__name__}")
+    if checked.seed is not None and not -(2**63) <= checked.seed < 2**64:
+        # vLLM 0.32 accepts it, then its engine core drops the request and
+        # step() never returns: refuse it here.
+        raise ValueError(f"seed must fit in 64 bits, got {checked.seed}")
+    return checked
+
+
+def checked_request_id(rid: object) -> str:
+    """The given request id, or a new unique one for None."""
+    checked = uuid.uuid4().hex if rid is None else rid
+    if not isinstance(checked, str):
+        raise TypeError(f"request_id must be a str, not {type(checked).__name__}")
+    return checked
+
+
+def checked_request_ids(ids: str | Iterable[str]) -> list[str]:
+    """One id or many, as a list of ids."""
+    checked = [ids] if isinstance(ids, str) else list(ids)
+    if not all(isinstance(i, str) for i in checked):
+        raise TypeError("request ids must be str")
+    return checked
+
+
+def checked_pause_mode(mode: object) -> PauseMode:
+    """A ``pause_generation`` mode."""
+    for known in get_args(PauseMode):
+        if mode == known:
+            return known  # type: ignore[no-any-return]
+    raise ValueError(f"mode must be one of {get_args(PauseMode)}, not {mode!r}")
+
+
+def checked_stream_interval(seconds: object) -> float:
+    """A stream interval in seconds: a finite number >= 0 (0: every output at once)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(f"stream_interval must be a number of seconds, not {seconds!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"stream_interval must be finite and >= 0, got {seconds}")
+    return float(seconds)
+
+
+def checked_restart(policy: object) -> RestartPolicy | None:
+    """The restart policy: None (a death is final) or a ``RestartPolicy``."""
+    if policy is not None and not isinstance(policy, RestartPolicy):
+        raise TypeError(f"restart must be a RestartPolicy or None, not {type(policy).__name__}")
+    return policy

@@ -23,8 +23,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._errors import EngineClosedError, EngineDeadError
-from .._loop import _checks
-from .._loop._engine import AsyncEngine
+from .._loop._engine import (
+    AsyncEngine,
+    checked_pause_mode,
+    checked_request_id,
+    checked_request_ids,
+    checked_sampling_params,
+)
 from .._stats import EngineStats
 from .._types import RestartPolicy
 from . import _failover
@@ -205,8 +210,8 @@ class AsyncEnginePool:
             EngineDeadError: every engine is dead.
             EngineClosedError, EngineNotStartedError: at once.
         """
-        rid = _checks.request_id(request_id)
-        sampling_params = _checks.sampling_params(sampling_params)
+        rid = checked_request_id(request_id)
+        sampling_params = checked_sampling_params(sampling_params)
         keys = self._router.prefixes.keys(prompt, kwargs)
         with self._lock:
             self._check_open()
@@ -236,7 +241,7 @@ class AsyncEnginePool:
         engine directly) are ignored, and so are engines that died meanwhile
         (their streams have already failed).
         """
-        ids = _checks.request_ids(request_id)
+        ids = checked_request_ids(request_id)
         self._check_open()
         by_engine: dict[int, list[str]] = {}
         with self._lock:
@@ -332,7 +337,7 @@ class AsyncEnginePool:
         Raises as ``AsyncEngine.pause_generation`` (the first error of any
         engine), and ``EngineDeadError`` if every engine is dead.
         """
-        mode = _checks.pause_mode(mode)
+        mode = checked_pause_mode(mode)
         self._check_open()
         await self._on_live(lambda e: e.pause_generation(mode=mode, clear_cache=clear_cache))
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, assert_never
 
-from .._bridge._commands import (
+from .._bridge._channel import (
     Abort,
     Add,
     Call,

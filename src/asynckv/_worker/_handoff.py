@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._bridge._commands import Command, Outbox
+from .._bridge._channel import Command, Outbox
 from ._registry import Route
 from ._resume import Decoded
 

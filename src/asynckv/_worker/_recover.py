@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._bridge._commands import Outbox
+from .._bridge._channel import Outbox
 from .._errors import RequestNotResumedError
 from .._log import emit
 from .._types import RestartPolicy

@@ -21,7 +21,7 @@ from ._control import Control, Effect
 from ._life import Closed, Dead, Deaths, GiveUp, New, Rebuild, Restarting
 
 if TYPE_CHECKING:
-    from .._bridge._commands import Add, Outbox, Reply, Sink
+    from .._bridge._channel import Add, Outbox, Reply, Sink
     from .._bridge._loops import Loop
     from ._resume import Progress
 

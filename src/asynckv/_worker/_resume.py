@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import SamplingParams
 
-    from .._bridge._commands import Add
+    from .._bridge._channel import Add
 
 __all__ = ("Decoded", "Progress", "Readmission")
 

@@ -20,7 +20,7 @@ from .._stats import StepRecord
 from .._vllm import StepTap, tap_steps
 
 if TYPE_CHECKING:
-    from .._bridge._commands import Outbox
+    from .._bridge._channel import Outbox
     from .._bridge._loops import Loop
     from .._vllm import EngineLike
 

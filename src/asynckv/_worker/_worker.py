@@ -50,8 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._bridge._commands import Outbox, Reply
-from .._bridge._inbox import Inbox
+from .._bridge._channel import Inbox, Outbox, Reply
 from .._bridge._loops import Loop
 from .._errors import EngineClosedError, EngineDeadError
 from .._log import emit
