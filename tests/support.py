@@ -102,6 +102,24 @@ async def assert_same_greedy_tokens(
     assert await unfinished(engine) == 0
 
 
+async def assert_reset_keeps_a_running_request(engine: AsyncEngine, prompt: str) -> None:
+    """A prefix-cache reset is refused while a request runs; one with ``reset_running_requests``
+    preempts it inside a pause (no step meanwhile), and it still ends with its greedy tokens."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    baseline = await engine.generate(prompt, params)
+    assert await engine.reset_prefix_cache() is True
+
+    stream = engine.generate(prompt, params)
+    async with engine.paused(at_step=engine.step_count + 5):
+        held = engine.step_count
+        assert await engine.reset_prefix_cache() is False  # its blocks are in use
+        assert await engine.reset_prefix_cache(reset_running_requests=True) is True
+        assert engine.step_count == held  # no step while paused
+    final = await stream
+    assert list(final.outputs[0].token_ids) == list(baseline.outputs[0].token_ids)
+    assert await unfinished(engine) == 0
+
+
 async def unfinished(engine: AsyncEngine) -> int:
     """How many requests the LLMEngine still holds, asked between two steps."""
     count: int = await engine.run_on_engine(lambda e: e.get_num_unfinished_requests())

@@ -29,6 +29,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
 from support import (
+    assert_reset_keeps_a_running_request,
     assert_same_greedy_tokens,
     cancel_while_iterating,
     child_env,
@@ -37,7 +38,6 @@ from support import (
     free_port,
     result,
     start_engine,
-    unfinished,
 )
 
 # Two nodes of one rank each need two cores; engine starts count against the first test.
@@ -233,20 +233,7 @@ async def test_abort_break_and_cancel(two_nodes: AsyncEngine) -> None:
 
 async def test_reset_and_pause(two_nodes: AsyncEngine) -> None:
     """Reset is refused while a request runs, allowed with reset_running_requests; pause holds."""
-    params = SamplingParams(max_tokens=32, **GREEDY)
-    prompt = PROMPTS[1] * 4
-    baseline = await two_nodes.generate(prompt, params)
-    assert await two_nodes.reset_prefix_cache() is True
-
-    stream = two_nodes.generate(prompt, params)
-    async with two_nodes.paused(at_step=two_nodes.step_count + 5):
-        held = two_nodes.step_count
-        assert await two_nodes.reset_prefix_cache() is False  # its blocks are in use
-        assert await two_nodes.reset_prefix_cache(reset_running_requests=True) is True
-        assert two_nodes.step_count == held  # no step while paused
-    final = await stream
-    assert list(final.outputs[0].token_ids) == list(baseline.outputs[0].token_ids)
-    assert await unfinished(two_nodes) == 0
+    await assert_reset_keeps_a_running_request(two_nodes, PROMPTS[1] * 4)
 
 
 async def test_killed_headless_node_kills_the_engine(

@@ -20,12 +20,12 @@ from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
 from support import (
+    assert_reset_keeps_a_running_request,
     assert_same_greedy_tokens,
     drained,
     engine_args,
     result,
     start_engine,
-    unfinished,
 )
 
 # Two tensor-parallel ranks need two devices: here, two CPU ranks; the device tool lends one GPU.
@@ -139,18 +139,7 @@ async def test_abort_and_cancel(tp_engine: AsyncEngine) -> None:
 
 async def test_reset_prefix_cache(tp_engine: AsyncEngine) -> None:
     """A reset is refused while a request runs, and one that preempts it keeps its tokens."""
-    params = SamplingParams(max_tokens=32, **GREEDY)
-    prompt = PROMPTS[1] * 4
-    baseline = await tp_engine.generate(prompt, params)
-    assert await tp_engine.reset_prefix_cache() is True
-
-    stream = tp_engine.generate(prompt, params)
-    async with tp_engine.paused(at_step=tp_engine.step_count + 5):
-        assert await tp_engine.reset_prefix_cache() is False  # its blocks are in use
-        assert await tp_engine.reset_prefix_cache(reset_running_requests=True) is True
-    final = await stream
-    assert list(final.outputs[0].token_ids) == list(baseline.outputs[0].token_ids)
-    assert await unfinished(tp_engine) == 0
+    await assert_reset_keeps_a_running_request(tp_engine, PROMPTS[1] * 4)
 
 
 async def test_killed_rank_kills_the_engine(tp_engine: AsyncEngine) -> None:
