@@ -1,4 +1,4 @@
-"""The API that ``AsyncEngine`` and ``AsyncEnginePool`` share, as a Protocol.
+"""The API that ``AsyncEngine`` and ``AsyncEnginePool`` share, as a Protocol (runs nowhere).
 
 Runs nowhere: a type. Code written against ``AsyncEngineAPI`` takes either
 one engine or a pool; mypy checks both against it (tests/unit/test_api.py).

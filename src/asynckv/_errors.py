@@ -1,4 +1,4 @@
-"""The exceptions asynckv raises, one class per condition.
+"""The exceptions asynckv raises, one class per condition (any thread).
 
 Runs on any thread: these are plain exception classes.
 """

@@ -1,4 +1,4 @@
-"""Logging: structlog events that stay silent unless the application asks for them.
+"""Logging, on any thread: structlog events that stay silent unless the application asks.
 
 Runs on any thread. When the application has configured structlog, events go
 through its pipeline (and ``structlog.testing.capture_logs`` sees them);

@@ -1,4 +1,4 @@
-"""The public records of what the engine did: ``EngineStats`` and ``StepRecord``.
+"""The public records of what the engine did: frozen values, read on any thread.
 
 Runs nowhere: frozen values. The worker thread makes them (``stats()`` reads
 its counters from any thread, each field one machine word read without a

@@ -1,4 +1,4 @@
-"""The public value types: ``PauseMode`` and ``RestartPolicy``.
+"""The public value types, made and read on any thread: ``PauseMode`` and ``RestartPolicy``.
 
 Runs nowhere: a type alias and a frozen value, made on any thread and read
 on any. At the bottom of the package: every room imports them, they import

@@ -1,4 +1,4 @@
-"""What asynckv reads and calls of vLLM beyond ``LLMEngine``'s public methods.
+"""Everything read of vLLM beyond ``LLMEngine``'s methods; each runs on its caller's thread.
 
 Everything here depends on how vLLM (0.32; 0.26 on the GPU) lays out its
 ``LLMEngine`` and its outputs beyond the public API, so each function

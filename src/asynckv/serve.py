@@ -1,4 +1,4 @@
-"""``python -m asynckv.serve``: vLLM's own OpenAI-compatible server, on an asynckv engine.
+"""``python -m asynckv.serve``, on the main thread: vLLM's own OpenAI server on asynckv.
 
 Takes every ``vllm serve`` flag (parsed by vLLM's own parser) and serves every
 ``vllm serve`` endpoint, on an ``AsyncEngine`` instead of vLLM's ``AsyncLLM``::

@@ -1,4 +1,4 @@
-"""The channel between the callers' loops and the worker: the inbox, the commands, the outbox.
+"""Both threads: the channel from the loops to the worker and back (inbox, commands, outbox).
 
 Both threads use it, each its own half. Any thread ``put``s commands in the
 ``Inbox``; only the worker thread ``take``s them. A lock is held just for an

@@ -1,4 +1,4 @@
-"""The caller's event loop as the worker reaches it: the backend-specific seam.
+"""The caller's event loop as the worker thread reaches it: the backend-specific seam.
 
 asynckv serves asyncio loops and trio runs. Two things differ between them,
 and both live here and in ``_trio.py``, nowhere else:

@@ -1,4 +1,4 @@
-"""AsyncLLM's names and shapes on ``AsyncEngine``: the methods the two share, and the build record.
+"""AsyncLLM's names and shapes on ``AsyncEngine``, on the caller's loop; and the build record.
 
 Code written for vLLM's ``AsyncLLM`` calls these; each has ``AsyncLLM``'s
 signature and return type, sync where vLLM's is sync. They run on the

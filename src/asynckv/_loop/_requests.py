@@ -1,4 +1,4 @@
-"""``AsyncLLM``'s request arguments, said once, and what ``LLMEngine.add_request`` takes of them.
+"""``AsyncLLM``'s request arguments, said once, on the caller's loop; what ``add_request`` takes.
 
 Runs on the caller's event loop; the one piece of work on the engine (building
 an engine request with vLLM's input processor, ``_vllm.process_inputs``) goes

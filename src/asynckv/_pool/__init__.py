@@ -1,4 +1,4 @@
-"""The pool: several ``AsyncEngine``s behind one API, prefix-affine routing and failover.
+"""The pool, on the callers' loops: several ``AsyncEngine``s behind one API, routing, failover.
 
 Runs on the callers' loops (routing) and, for failover, on a dying member's worker thread.
 """

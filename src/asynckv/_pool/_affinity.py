@@ -1,4 +1,4 @@
-"""The pool's routing: prefix affinity and load, per engine.
+"""The pool's routing, on the caller's thread: prefix affinity and load, per engine.
 
 Runs on the caller's thread. ``AsyncEnginePool`` calls everything here with
 its lock held, except ``PrefixIndex.keys`` (pure, on the prompt alone).

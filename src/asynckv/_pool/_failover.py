@@ -1,4 +1,4 @@
-"""Pool failover: the requests of a member that died continue on a live member.
+"""Pool failover, on a dying member's worker thread: its requests continue on a live member.
 
 ``install`` runs once, on the thread that makes the pool. ``_fail_over``
 runs on the dying member's worker thread, from its restart path (so only

@@ -1,4 +1,4 @@
-"""AsyncEnginePool: several engines behind one ``generate`` / ``abort`` / reset API.
+"""AsyncEnginePool, on the caller's loop: several engines behind one ``generate``/``abort`` API.
 
 A pool is for data parallelism without a shared executor: each ``AsyncEngine``
 is a whole model replica (one per GPU, say), with its own worker thread and

@@ -1,4 +1,4 @@
-"""Serving: ``AsyncEngineClient`` and vLLM's OpenAI server on it.
+"""Serving, on the server's event loop: ``AsyncEngineClient`` and vLLM's OpenAI server on it.
 
 ``AsyncEngineClient`` is vLLM's ``EngineClient`` on an ``AsyncEngine``; it
 runs on the server's event loop.

@@ -1,4 +1,4 @@
-"""AsyncEngineClient: vLLM's ``EngineClient`` protocol over an ``AsyncEngine``.
+"""AsyncEngineClient: vLLM's ``EngineClient`` over an ``AsyncEngine``, on the server's loop.
 
 vLLM's whole serving layer (``vllm.entrypoints``: the OpenAI server, chat
 templates, tools, structured outputs, tokenize, models, LoRA, metrics) runs on

@@ -1,4 +1,4 @@
-"""vLLM's own OpenAI-compatible server on an asynckv engine: what ``python -m asynckv.serve`` runs.
+"""What ``python -m asynckv.serve`` runs on the main thread: vLLM's own server on asynckv.
 
 The server is vLLM's, unchanged: its argument parser (``make_arg_parser``),
 its socket setup, and ``build_and_serve``, which builds the FastAPI app (every

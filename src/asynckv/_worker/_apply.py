@@ -1,4 +1,4 @@
-"""Applying commands and effects: the worker's hands on the engine.
+"""Applying commands and effects on the worker thread: the worker's hands on the engine.
 
 Runs on the worker thread only (it calls the ``LLMEngine``). ``Applier``
 applies each command of a pass, makes its control transition through the

@@ -1,4 +1,4 @@
-"""Admission, holds and pauses: named states and pure transitions.
+"""Admission, holds and pauses: named states and pure transitions (pure code, no threads).
 
 Pure code: no threads, no engine, no I/O. Each transition takes a
 ``Control`` and returns the next one with the ``Effect``s to carry out.

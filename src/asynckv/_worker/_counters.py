@@ -1,4 +1,4 @@
-"""The worker's counters, read by ``stats()`` and ``check_health()``.
+"""The worker's counters: written on the worker thread, read by ``stats()`` on any thread.
 
 ``Counters`` is written by the worker thread only; any thread reads it
 (``stats``, ``Worker.health``) without a lock: each field is one word, so a

@@ -1,4 +1,4 @@
-"""The pool's hand-over on the worker side: ``Adopt``, and the ``Handoff`` a pool installs.
+"""The pool's hand-over on the worker thread: ``Adopt``, and the ``Handoff`` a pool installs.
 
 ``Adopt`` is built on a dying pool member's worker thread (``_pool/_failover.py``)
 and applied on the adopting member's worker thread (``Applier``); it travels

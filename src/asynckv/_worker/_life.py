@@ -1,4 +1,4 @@
-"""The worker's lifecycle as a pure machine: states that carry their data, transitions as functions.
+"""The worker's lifecycle as a pure machine (pure code): states that carry their data.
 
 Pure code, no threads and no engine. The ``Registry`` holds one ``State``
 value and replaces it, under its lock, with what these functions return

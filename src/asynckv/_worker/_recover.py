@@ -1,4 +1,4 @@
-"""The worker's restart path: from a dead engine to a new one serving the same requests.
+"""The worker thread's restart path: from a dead engine to a new one serving the same requests.
 
 Runs on the worker thread only, between the death of one engine and the
 first pass on the next, while the inbox stays open (commands wait there).

@@ -1,4 +1,4 @@
-"""The registry: everything that waits for the worker, behind its one lock.
+"""The registry: what waits for the worker thread, behind one lock that any thread may take.
 
 The worker thread changes it as it works; ``die`` (the worker or the watchdog
 thread) and ``close`` (the closing thread) end it from elsewhere and fail

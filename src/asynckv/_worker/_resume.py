@@ -1,4 +1,4 @@
-"""Resuming a request on a rebuilt engine: what its stream was sent, and the readmission.
+"""Resuming a request on a rebuilt engine, on the worker thread: what was sent, the readmission.
 
 Runs on the worker thread only: ``Progress.see`` inside ``Registry.dispatch``
 (under the registry's lock: bookkeeping only, no engine call), and

@@ -1,4 +1,4 @@
-"""One built engine and everything that belongs to it, replaced whole by a rebuild.
+"""One built engine and all that belongs to it, on the worker thread; a rebuild replaces it whole.
 
 Made and used on the worker thread, except ``output_arrived`` (vLLM's output
 thread: a plain store and the inbox's own lock) and ``died`` (the watchdog

@@ -1,4 +1,4 @@
-"""The splice: a resumed completion's outputs joined onto what its stream was sent.
+"""The splice, on the worker thread: a resumed completion's outputs joined onto what was sent.
 
 Runs on the worker thread only, inside ``Progress.see`` (under the registry's
 lock: bookkeeping only, no engine call). A resumed completion's engine

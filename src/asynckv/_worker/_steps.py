@@ -1,4 +1,4 @@
-"""Step telemetry, the worker's side: one ``StepRecord`` per engine step, to every reader.
+"""Step telemetry, the worker thread's side: a ``StepRecord`` per engine step, to every reader.
 
 ``StepHub`` belongs to one worker: the worker thread calls ``before`` and
 ``after`` around each ``step()`` (and only while somebody listens: with no

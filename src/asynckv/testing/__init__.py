@@ -1,4 +1,4 @@
-"""Test and demo helpers: tiny, locally built Llama checkpoints for exercising vLLM.
+"""Test and demo helpers, on the calling thread: tiny Llama checkpoints, built locally.
 
 Tests and examples must run offline, so no model can be fetched from a hub.
 Instead this module builds a deliberately tiny (about 0.5M parameter)

@@ -1,4 +1,4 @@
-"""Writing a tiny Llama checkpoint: its cache folder, tokenizer, configs and random weights.
+"""Writing a tiny Llama checkpoint, on the calling thread: cache folder, tokenizer, weights.
 
 Runs on the calling thread (``asynckv.testing``'s functions), and starts no
 thread of its own. The architecture and tokenizer defined here are shared by

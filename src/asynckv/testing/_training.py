@@ -1,4 +1,4 @@
-"""Training the demo model: the tiny Llama, trained until it has memorised the bundled text.
+"""Training the demo model, on the calling thread: the tiny Llama memorises the bundled text.
 
 Runs on the calling thread (``asynckv.testing.demo_model``), and starts no
 thread of its own (torch may use its own intra-op threads). The checkpoint's
