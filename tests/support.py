@@ -23,6 +23,7 @@ import pytest
 from vllm import EngineArgs, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, RequestStream
 
@@ -100,6 +101,20 @@ async def assert_same_greedy_tokens(
         assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids), prompt
         assert b.outputs[0].text == a.outputs[0].text
     assert await unfinished(engine) == 0
+
+
+async def assert_delta_adds_up(engine: AsyncEngine, prompt: str) -> None:
+    """Greedy DELTA iteration yields more than one output and adds up to the awaited run."""
+    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    awaited = await engine.generate(prompt, SamplingParams(**greedy))
+    delta = SamplingParams(output_kind=RequestOutputKind.DELTA, **greedy)
+    tokens: list[int] = []
+    outputs = 0
+    async for out in engine.generate(prompt, delta):
+        tokens.extend(out.outputs[0].token_ids)
+        outputs += 1
+    assert tokens == list(awaited.outputs[0].token_ids)
+    assert outputs > 1
 
 
 async def assert_reset_keeps_a_running_request(engine: AsyncEngine, prompt: str) -> None:

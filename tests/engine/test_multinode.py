@@ -25,10 +25,10 @@ from pathlib import Path
 import psutil
 import pytest
 from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
 from support import (
+    assert_delta_adds_up,
     assert_reset_keeps_a_running_request,
     assert_same_greedy_tokens,
     cancel_while_iterating,
@@ -201,15 +201,7 @@ async def test_greedy_tokens_match_single_node(
 
 async def test_delta_stream_concatenates_to_awaited(two_nodes: AsyncEngine) -> None:
     """DELTA iteration over two nodes yields token by token and adds up to the awaited run."""
-    awaited = await two_nodes.generate(PROMPTS[0], SamplingParams(max_tokens=12, **GREEDY))
-    delta = SamplingParams(max_tokens=12, output_kind=RequestOutputKind.DELTA, **GREEDY)
-    tokens: list[int] = []
-    outputs = 0
-    async for out in two_nodes.generate(PROMPTS[0], delta):
-        tokens.extend(out.outputs[0].token_ids)
-        outputs += 1
-    assert tokens == list(awaited.outputs[0].token_ids)
-    assert outputs > 1
+    await assert_delta_adds_up(two_nodes, PROMPTS[0])
 
 
 async def test_abort_break_and_cancel(two_nodes: AsyncEngine) -> None:

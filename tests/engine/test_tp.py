@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, EngineDeadError
 from support import (
+    assert_delta_adds_up,
     assert_reset_keeps_a_running_request,
     assert_same_greedy_tokens,
     drained,
@@ -100,16 +100,7 @@ async def test_greedy_tokens_match_tp1(tp1_engine: AsyncEngine, tp_engine: Async
 
 async def test_delta_stream_concatenates_to_awaited(tp_engine: AsyncEngine) -> None:
     """DELTA iteration through TP=2 yields token by token and adds up to the awaited run."""
-    prompt = PROMPTS[0]
-    awaited = await tp_engine.generate(prompt, SamplingParams(max_tokens=12, **GREEDY))
-    delta = SamplingParams(max_tokens=12, output_kind=RequestOutputKind.DELTA, **GREEDY)
-    tokens: list[int] = []
-    outputs = 0
-    async for out in tp_engine.generate(prompt, delta):
-        tokens.extend(out.outputs[0].token_ids)
-        outputs += 1
-    assert tokens == list(awaited.outputs[0].token_ids)
-    assert outputs > 1
+    await assert_delta_adds_up(tp_engine, PROMPTS[0])
 
 
 async def test_abort_and_cancel(tp_engine: AsyncEngine) -> None:
