@@ -45,7 +45,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from asynckv import AsyncEngine, RequestStream
-from support import FakeEngine
+from fakes import FakeEngine
 
 T = TypeVar("T")
 
