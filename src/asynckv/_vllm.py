@@ -435,25 +435,35 @@ def add_core_request(engine: EngineLike, request: EngineCoreRequest) -> None:
 def final_abort_output(
     request_id: str, last: RequestOutput | None, n: int, delta: bool
 ) -> RequestOutput:
-    """A final "abort" output made from the last one seen, for when vLLM gave none."""
+    """A final "abort" output made from the last one seen, for when vLLM gave none.
+
+    It carries all ``n`` completions (one not in ``last`` is an empty one), as
+    vLLM's abort of an ``n > 1`` request ends every unfinished child; DELTA
+    ones add nothing.
+    """
     if last is None:
         final = RequestOutput(
             request_id=request_id,
             prompt=None,
             prompt_token_ids=None,
             prompt_logprobs=None,
-            outputs=[CompletionOutput(i, "", [], None, None) for i in range(n)],
+            outputs=[],
             finished=True,
         )
     else:
         final = copy.copy(last)
         final.finished = True
         final.outputs = [copy.copy(c) for c in last.outputs]
+    seen = {c.index for c in final.outputs}
+    final.outputs += [CompletionOutput(i, "", [], None, None) for i in range(n) if i not in seen]
+    final.outputs.sort(key=lambda c: c.index)
     for completion in final.outputs:
         if completion.finish_reason is None:
             completion.finish_reason = "abort"
         if delta:
             completion.text, completion.token_ids = "", []
+            if completion.logprobs is not None:
+                completion.logprobs = completion.logprobs[:0]
     return final
 
 

@@ -256,6 +256,10 @@ class _Sink:
         if self.finished:
             return
         if self.kind is RequestOutputKind.DELTA:
+            if self.n > 1:
+                # Each output carries one child: the final "abort" one needs them all.
+                for completion in out.outputs:
+                    self._latest[completion.index] = completion
             if self._pending is None:
                 self._pending = out
             else:
@@ -295,7 +299,10 @@ class _Sink:
         if self.finished:
             return
         delta = self.kind is RequestOutputKind.DELTA
-        self.push(final_abort_output(self.request_id, self._last, self.n, delta))
+        last = self._last
+        if delta and last is not None and self._latest:
+            last = with_completions(last, list(self._latest.values()))
+        self.push(final_abort_output(self.request_id, last, self.n, delta))
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (on the loop, scheduled by the worker)."""
