@@ -7,6 +7,7 @@ of what the worker calls (``asynckv._vllm.EngineLike``), below.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -15,6 +16,9 @@ from vllm import SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 
 from asynckv._vllm import EngineLike
+
+if TYPE_CHECKING:
+    from asynckv import AsyncEngine
 
 
 class FakeEngine:
@@ -107,3 +111,21 @@ class FakeEngine:
 if TYPE_CHECKING:
     # mypy checks the fake against the Protocol of what the worker calls.
     _FAKE_IS_AN_ENGINE: EngineLike = FakeEngine()
+
+
+async def hold_in_next_step(engine: AsyncEngine, fake: FakeEngine) -> None:
+    """Hold ``engine``'s worker inside its next ``step()`` of ``fake`` (requests in flight).
+
+    The gate is closed and ``step_entered`` cleared on the worker, between two steps, so
+    the step that sets ``step_entered`` again is one that waits at the closed gate.
+    Closed from the test's thread instead, a step that had set ``step_entered`` but not
+    yet reached the gate would stop there unseen once ``step_entered`` was cleared, and
+    the wait for the next one would time out (it did, once, on a loaded machine).
+    """
+
+    def close(_: object) -> None:
+        fake.step_entered.clear()
+        fake.gate.clear()
+
+    await engine.run_on_engine(close)
+    assert await asyncio.to_thread(fake.step_entered.wait, 10)

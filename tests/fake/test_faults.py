@@ -12,7 +12,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineClosedError, EngineDeadError
-from fakes import FakeEngine
+from fakes import FakeEngine, hold_in_next_step
 
 LONG = SamplingParams(max_tokens=10_000)
 
@@ -22,10 +22,7 @@ async def test_step_exception_kills_the_engine() -> None:
     fake = FakeEngine()
     engine = AsyncEngine(fake)
     streams = [engine.generate(f"r{i}", LONG) for i in range(5)]
-    await engine.run_on_engine(lambda e: None)
-    fake.gate.clear()
-    fake.step_entered.clear()
-    assert await asyncio.to_thread(fake.step_entered.wait, 10)
+    await hold_in_next_step(engine, fake)
     queued = asyncio.ensure_future(engine.run_on_engine(lambda e: None))
     await asyncio.sleep(0)  # let the command reach the inbox
     fake.fail_with = MemoryError("the model ran out of memory")
@@ -51,10 +48,7 @@ async def test_close_returns_while_step_is_stuck() -> None:
     fake = FakeEngine()
     engine = AsyncEngine(fake)
     stream = engine.generate("stuck", LONG)
-    await engine.run_on_engine(lambda e: None)
-    fake.gate.clear()
-    fake.step_entered.clear()
-    assert await asyncio.to_thread(fake.step_entered.wait, 10)
+    await hold_in_next_step(engine, fake)
     queued = asyncio.ensure_future(engine.run_on_engine(lambda e: None))
     await asyncio.sleep(0)
 
@@ -73,10 +67,7 @@ async def test_commands_apply_in_order_between_steps() -> None:
     fake = FakeEngine()
     engine = AsyncEngine(fake)
     first = engine.generate("a", LONG, request_id="a")
-    await engine.run_on_engine(lambda e: None)
-    fake.gate.clear()
-    fake.step_entered.clear()
-    assert await asyncio.to_thread(fake.step_entered.wait, 10)
+    await hold_in_next_step(engine, fake)
     fake.log.clear()
     second = engine.generate("b", SamplingParams(max_tokens=2), request_id="b")
     await asyncio.sleep(0)

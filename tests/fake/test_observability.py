@@ -10,7 +10,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineDeadError, EngineStalledError
-from fakes import FakeEngine
+from fakes import FakeEngine, hold_in_next_step
 
 
 async def test_engine_dead_logged_once_with_traceback(logs: list[MutableMapping[str, Any]]) -> None:
@@ -37,10 +37,7 @@ async def test_check_health_detects_a_stalled_engine() -> None:
     engine = AsyncEngine(fake)
     await engine.check_health(stall_timeout=0.0)  # idle is not stalled
     stream = engine.generate("hang", SamplingParams(max_tokens=1000))
-    await engine.run_on_engine(lambda e: None)
-    fake.gate.clear()
-    fake.step_entered.clear()
-    assert await asyncio.to_thread(fake.step_entered.wait, 10)
+    await hold_in_next_step(engine, fake)
     await engine.check_health(stall_timeout=3600)  # not stalled for that long
     with pytest.raises(EngineStalledError, match="stalled"):
         await engine.check_health(stall_timeout=0.0)

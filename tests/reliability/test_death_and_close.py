@@ -19,7 +19,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine, EngineClosedError, EngineDeadError
-from fakes import FakeEngine
+from fakes import FakeEngine, hold_in_next_step
 from support import child_processes, engine_args
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -116,10 +116,7 @@ async def test_hung_step(figures: Callable[[str], None]) -> None:
     fake = FakeEngine()
     engine = AsyncEngine(fake)
     streams = [engine.generate(f"r{i}", SamplingParams(max_tokens=10**6)) for i in range(10)]
-    await engine.run_on_engine(lambda e: None)
-    fake.gate.clear()
-    fake.step_entered.clear()
-    assert await asyncio.to_thread(fake.step_entered.wait, 10)
+    await hold_in_next_step(engine, fake)
     began = time.monotonic()
     await asyncio.wait_for(engine.aclose(timeout=5), 6)
     seconds = time.monotonic() - began
