@@ -106,9 +106,8 @@ async def test_delta_stream_concatenates_to_awaited(tp_engine: AsyncEngine) -> N
 async def test_abort_and_cancel(tp_engine: AsyncEngine) -> None:
     """abort(), break and task cancellation each take their request out of the TP=2 engine."""
     long = SamplingParams(max_tokens=400, **GREEDY)
-    aborted = tp_engine.generate("aborted", long)
-    async for _ in aborted:
-        break  # the iterator is dropped: this aborts the request
+    async for _ in tp_engine.generate("aborted", long):
+        break  # nothing else holds the stream: dropped, it aborts the request
     assert await drained(tp_engine)
 
     explicit = tp_engine.generate("explicit abort", long)
