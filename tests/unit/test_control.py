@@ -9,6 +9,7 @@ from typing import Any, get_args
 import pytest
 
 from asynckv import EngineHeldError
+from asynckv._types import PauseMode
 from asynckv._worker._control import (
     Abort,
     AbortAll,
@@ -19,7 +20,6 @@ from asynckv._worker._control import (
     Effect,
     Fail,
     PauseCore,
-    PauseMode,
     Phase,
     ResetCache,
     ResumeCore,

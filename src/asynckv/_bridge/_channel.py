@@ -44,7 +44,6 @@ __all__ = (
     "Inbox",
     "Outbox",
     "Pause",
-    "PauseMode",
     "Release",
     "Reply",
     "Reset",

@@ -39,7 +39,6 @@ __all__ = (
     "Effect",
     "Fail",
     "PauseCore",
-    "PauseMode",
     "PendingHold",
     "Phase",
     "ResetCache",
