@@ -291,16 +291,22 @@ def tap_steps(engine: EngineLike, listening: Callable[[], bool]) -> StepTap:
 
     def counting(core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if listening():
-            tokens = prefill = preemptions = 0
+            requests = tokens = prefill = preemptions = 0
             for out in core_outputs:
-                tokens += len(out.new_token_ids)
                 state = states.get(out.request_id)
-                if state is not None and getattr(state, "is_prefilling", False):
+                if state is None:
+                    # An output for a request aborted after the core stepped it (the
+                    # abort crossed the step in flight, multiprocess): vLLM drops it,
+                    # so it reached nobody and is no token of this step's record.
+                    continue
+                requests += 1
+                tokens += len(out.new_token_ids)
+                if getattr(state, "is_prefilling", False):
                     prefill += 1
                 if out.events:
                     preemptions += sum(1 for event in out.events if event.type == preempted)
             tap.seen = True
-            tap.requests, tap.tokens, tap.prefill = len(core_outputs), tokens, prefill
+            tap.requests, tap.tokens, tap.prefill = requests, tokens, prefill
             # vLLM records request events (preemptions among them) only with stats on.
             tap.preemptions = preemptions if stats_on else None
         return process(core_outputs, *args, **kwargs)
