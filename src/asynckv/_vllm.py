@@ -48,6 +48,7 @@ __all__ = (
     "VllmEngineDeadError",
     "abort_outputs",
     "add_core_request",
+    "add_request",
     "client_threads",
     "copy_delta",
     "decode_more",
@@ -370,7 +371,7 @@ def is_core_request(prompt: Any) -> bool:
 
 
 def process_inputs(
-    engine: LLMEngine,
+    engine: LLMEngine | EngineLike,
     request_id: str,
     prompt: Any,
     params: SamplingParams,
@@ -382,9 +383,11 @@ def process_inputs(
     ``options`` are ``process_inputs``' keyword arguments (``lora_request``,
     ``data_parallel_rank``, ...).
     """
-    return engine.input_processor.process_inputs(
-        request_id, prompt, params, supported_tasks=engine.get_supported_tasks(), **options
+    llm_engine: Any = engine  # an LLMEngine: the fakes never get here
+    request: EngineCoreRequest = llm_engine.input_processor.process_inputs(
+        request_id, prompt, params, supported_tasks=llm_engine.get_supported_tasks(), **options
     )
+    return request
 
 
 def set_reasoning(
@@ -397,6 +400,51 @@ def set_reasoning(
         request.reasoning_ended = reasoning_ended
     if reasoning_parser_kwargs is not None:
         request.reasoning_parser_kwargs = reasoning_parser_kwargs
+
+
+# The request fields that ``LLMEngine.add_request`` has no parameter for: set on the
+# engine-core request that vLLM's input processor builds (as ``AsyncLLM`` sets them).
+_CORE_FIELDS = ("reasoning_ended", "reasoning_parser_kwargs")
+
+
+def add_request(
+    engine: EngineLike,
+    request_id: str,
+    prompt: Any,
+    params: SamplingParams,
+    options: dict[str, Any],
+) -> None:
+    """``engine.add_request(request_id, prompt, params, **options)``, on the worker thread.
+
+    ``options`` may also hold the reasoning fields, which ``add_request`` has no
+    parameter for: then the input processor builds the engine-core request
+    here (or ``prompt`` is one), the fields are set on it, and that request is
+    added, as ``AsyncLLM.add_request`` does.
+    """
+    fields = {key: options[key] for key in _CORE_FIELDS if key in options}
+    if not fields:
+        engine.add_request(request_id, prompt, params, **options)
+        return
+    rest = {key: value for key, value in options.items() if key not in fields}
+    text = rest.pop("prompt_text", None)
+    if is_core_request(prompt):
+        request = prompt
+    else:
+        request = process_inputs(engine, request_id, prompt, params, rest)
+        if text is None:
+            text = prompt if isinstance(prompt, str) else _text_of(prompt)
+    set_reasoning(request, fields.get("reasoning_ended"), fields.get("reasoning_parser_kwargs"))
+    engine.add_request(request_id, request, params, **_prompt_text(text))
+
+
+def _prompt_text(text: str | None) -> dict[str, Any]:
+    return {} if text is None else {"prompt_text": text}
+
+
+def _text_of(prompt: Any) -> str | None:
+    # The text of a rendered or typed prompt (a dict), for the outputs' ``prompt``.
+    text = prompt.get("prompt") if isinstance(prompt, dict) else None
+    return text if isinstance(text, str) else None
 
 
 def rejected_kv_request(

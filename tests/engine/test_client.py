@@ -114,6 +114,21 @@ async def test_data_parallel_rank_and_reasoning(client: AsyncEngineClient) -> No
             pass
 
 
+async def test_engine_generate_takes_asyncllms_request_arguments(engine: AsyncEngine) -> None:
+    """AsyncEngine.generate takes rank 0 and the reasoning fields; what it can't take fails at once."""
+    out = await engine.generate(
+        "Rank zero", _params(3), "gen-dp0", data_parallel_rank=0, reasoning_ended=True
+    )
+    assert out.finished and out.prompt == "Rank zero"
+    with pytest.raises(VLLMValidationError, match=r"data_parallel_rank 1 is out of range \[0, 1\)"):
+        engine.generate("Rank one", _params(3), "gen-dp1", data_parallel_rank=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nonsense'"):
+        engine.generate("Unknown", _params(3), "gen-unknown", nonsense=1)
+    with pytest.raises(TypeError, match="priority must be an int"):
+        engine.generate("Typed", _params(3), "gen-typed", priority="high")
+    assert await unfinished(engine) == 0
+
+
 async def test_unsupported_inputs_are_refused(client: AsyncEngineClient) -> None:
     """Streaming inputs and pooling (encode) raise NotImplementedError, with the reason."""
 

@@ -394,9 +394,15 @@ class AsyncEngine(AsyncLLMMethods):
 
         The request is in the inbox when this returns, before anyone awaits
         the stream. ``prompt`` is anything ``LLMEngine.add_request`` takes (a
-        string, a ``TokensPrompt``, ...); ``kwargs`` go to ``add_request``
-        (``lora_request``, ``priority``, ...). Without ``request_id`` a unique
-        one is made. Must be called on a running event loop (asyncio or trio),
+        string, a ``TokensPrompt``, ...). ``kwargs`` are ``AsyncLLM.generate``'s
+        request arguments (``lora_request``, ``priority``, ``session_id``,
+        ``kv_hints``, ``reasoning_ended``, ...), with its meaning; they are
+        checked here, at once: ``data_parallel_rank`` may only be 0 or None
+        (one engine core; any other raises ``AsyncLLM``'s
+        ``VLLMValidationError``), and the reasoning fields, which
+        ``LLMEngine.add_request`` lacks, are set on the engine request that
+        vLLM's input processor builds on the worker. Without ``request_id`` a
+        unique one is made. Must be called on a running event loop (asyncio or trio),
         which the stream then belongs to.
 
         A bad request (empty or too long prompt, unknown LoRA, an id already
@@ -410,10 +416,12 @@ class AsyncEngine(AsyncLLMMethods):
         at once, and no token is lost. 0 hands out every output as it comes.
 
         Raises:
-            TypeError: ``sampling_params``, ``request_id`` or ``stream_interval``
-                has the wrong type.
+            TypeError: ``sampling_params``, ``request_id``, ``stream_interval``
+                or a request argument has the wrong type, or ``kwargs`` has a
+                name ``AsyncLLM.generate`` doesn't take.
             ValueError: a ``seed`` beyond 64 bits (vLLM would hang on it), a
                 negative ``stream_interval``.
+            VLLMValidationError: a ``data_parallel_rank`` other than 0.
             EngineClosedError, EngineDeadError, EngineNotStartedError: at once.
         """
         loop = _loops.current()
@@ -424,8 +432,9 @@ class AsyncEngine(AsyncLLMMethods):
             if stream_interval is None
             else checked_stream_interval(stream_interval)
         )
+        options = RequestArgs.from_options(kwargs).add_request_options()
         sink = _Sink(loop, rid, params.output_kind, params.n, interval)
-        self._submit(Add(rid, prompt, params, kwargs, sink))
+        self._submit(Add(rid, prompt, params, options, sink))
         return RequestStream(rid, sink, self._abort_soon)
 
     def _abort_soon(self, request_id: str, why: str) -> None:
@@ -492,7 +501,7 @@ class AsyncEngine(AsyncLLMMethods):
             reasoning_parser_kwargs=reasoning_parser_kwargs,
             kv_hints=kv_hints,
         )
-        prompt, options = await engine_options(self, request_id, prompt, params, args)
+        options = await engine_options(self, prompt, args)
         collector = RequestOutputCollector(params.output_kind, request_id)
         pump(self.generate(prompt, params, request_id, **options), collector)
         return collector

@@ -12,12 +12,10 @@ import dataclasses
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .. import _vllm
+import vllm.exceptions
+from vllm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
-    from vllm.lora.request import LoRARequest
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
     from ._stream import RequestStream
@@ -33,7 +31,9 @@ class RequestArgs:
 
     ``AsyncEngine.add_request`` and ``AsyncEngineClient.generate`` build one
     from their own (public) parameters, which have ``AsyncLLM``'s names and
-    defaults, and pass it on to ``engine_options``.
+    defaults; ``AsyncEngine.generate`` from its keyword arguments
+    (``from_options``). ``checked`` refuses, on the caller's thread, what
+    would otherwise fail inside the worker or the engine core.
     """
 
     arrival_time: float | None = None
@@ -48,8 +48,57 @@ class RequestArgs:
     reasoning_parser_kwargs: dict[str, Any] | None = None
     kv_hints: Any = None
 
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> RequestArgs:
+        """The arguments of ``generate(**options)``, checked.
+
+        Raises:
+            TypeError: a name that ``AsyncLLM.add_request`` doesn't take, or a
+                value of the wrong type (see ``checked``).
+            VLLMValidationError: ``data_parallel_rank`` out of range.
+        """
+        unknown = sorted(set(options) - _NAMES)
+        if unknown:
+            raise TypeError(
+                f"generate() got an unexpected keyword argument {unknown[0]!r} "
+                f"(it takes {', '.join(sorted(_NAMES))})"
+            )
+        return cls(**options).checked()
+
+    def checked(self) -> RequestArgs:
+        """These arguments, or the error ``AsyncLLM`` would raise (at once, here).
+
+        ``data_parallel_rank``: asynckv runs one engine core, so rank 0 (or
+        None) is the only one there is, and it changes nothing; any other is
+        refused with ``AsyncLLM``'s own ``VLLMValidationError`` ("out of range
+        [0, 1)"), which vLLM's server answers with a 400. The other fields
+        must have ``AsyncLLM``'s types: a wrong one raises ``TypeError`` here
+        rather than inside the worker (or kills the engine core: a ``str``
+        priority under the priority scheduler).
+        """
+        rank = self.data_parallel_rank
+        if rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int):
+                raise TypeError(f"data_parallel_rank must be an int, not {type(rank).__name__}")
+            if rank != 0:
+                raise _VALIDATION_ERROR(f"data_parallel_rank {rank} is out of range [0, 1).")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise TypeError(f"priority must be an int, not {type(self.priority).__name__}")
+        for name, types in _TYPES:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                kind = type(value).__name__
+                raise TypeError(f"{name} must be {_NAMED[types]} or None, not {kind}")
+        return self
+
     def add_request_options(self) -> dict[str, Any]:
-        """The ``LLMEngine.add_request`` options that are set (older vLLMs lack some)."""
+        """The options the worker passes on (``_vllm.add_request``), those that are set.
+
+        Only those that are set (older vLLMs lack some). The reasoning fields,
+        which ``LLMEngine.add_request`` has no parameter for, are set on the
+        engine-core request on the worker; ``data_parallel_rank`` (0, once
+        checked) is left out: with one engine core it routes nothing.
+        """
         options: dict[str, Any] = {
             key: value
             for key, value in (
@@ -60,6 +109,8 @@ class RequestArgs:
                 ("session_id", self.session_id),
                 ("prompt_text", self.prompt_text),
                 ("kv_hints", self.kv_hints),
+                ("reasoning_ended", self.reasoning_ended),
+                ("reasoning_parser_kwargs", self.reasoning_parser_kwargs),
             )
             if value is not None
         }
@@ -67,14 +118,31 @@ class RequestArgs:
             options["priority"] = self.priority
         return options
 
-    @property
-    def needs_core_request(self) -> bool:
-        """Whether a field that ``add_request`` has no parameter for is set."""
-        return (
-            self.data_parallel_rank is not None
-            or self.reasoning_ended is not None
-            or self.reasoning_parser_kwargs is not None
-        )
+
+_NAMES = frozenset(field.name for field in dataclasses.fields(RequestArgs))
+
+# The fields checked by isinstance alone (None is always allowed).
+_TYPES: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("arrival_time", (int, float)),
+    ("lora_request", LoRARequest),
+    ("tokenization_kwargs", dict),
+    ("trace_headers", Mapping),
+    ("session_id", str),
+    ("prompt_text", str),
+    ("reasoning_ended", bool),
+    ("reasoning_parser_kwargs", dict),
+)
+_NAMED: dict[type | tuple[type, ...], str] = {
+    (int, float): "a number",
+    dict: "a dict",
+    Mapping: "a mapping",
+    str: "a str",
+    bool: "a bool",
+    LoRARequest: "a LoRARequest",
+}
+
+# AsyncLLM's validation error (a 400 in vLLM's server); vLLMs without it raise ValueError.
+_VALIDATION_ERROR: type[Exception] = getattr(vllm.exceptions, "VLLMValidationError", ValueError)
 
 
 class EngineCalls(Protocol):
@@ -109,52 +177,27 @@ async def _pump(stream: RequestStream, collector: RequestOutputCollector) -> Non
 
 async def engine_options(
     engine: EngineCalls,
-    request_id: str,
     prompt: Any,
-    params: SamplingParams,
     args: RequestArgs,
-) -> tuple[Any, dict[str, Any]]:
-    """Turn ``AsyncLLM``'s request arguments into a prompt and ``LLMEngine.add_request`` options.
+) -> dict[str, Any]:
+    """Turn ``AsyncLLM``'s request arguments into the options ``AsyncEngine.generate`` takes.
 
-    Only the options that are set are passed (older vLLMs lack some). Three
-    have no ``add_request`` parameter: with ``data_parallel_rank`` or a
-    reasoning field set, vLLM's input processor builds the engine request on
-    the worker thread, here, the fields are set on it, and that request is the
-    prompt (which ``add_request`` takes as it is).
+    Checks them first (``RequestArgs.checked``), on the caller's loop. Only
+    the options that are set are passed (older vLLMs lack some); the
+    reasoning fields are set on the engine request on the worker thread.
 
     Raises:
         NotImplementedError: ``prompt`` is an async generator (streaming input).
+        TypeError, VLLMValidationError: see ``RequestArgs.checked``.
     """
     if isinstance(prompt, AsyncGenerator):
         raise NotImplementedError(
             "asynckv does not take streaming inputs (an async generator of prompts)"
         )
+    args = args.checked()
     if args.trace_headers and not await engine.is_tracing_enabled():
         from vllm.tracing import log_tracing_disabled_warning
 
         log_tracing_disabled_warning()  # and drops them, as AsyncLLM does
         args = dataclasses.replace(args, trace_headers=None)
-    options = args.add_request_options()
-    if not args.needs_core_request:
-        return prompt, options
-    request: EngineCoreRequest
-    if _vllm.is_core_request(prompt):
-        request = prompt
-    else:
-        process = {k: v for k, v in options.items() if k != "prompt_text"}
-        if args.data_parallel_rank is not None:
-            process["data_parallel_rank"] = args.data_parallel_rank
-        request = await engine.run_on_engine(
-            _vllm.process_inputs, request_id, prompt, params, process
-        )
-    _vllm.set_reasoning(request, args.reasoning_ended, args.reasoning_parser_kwargs)
-    text = args.prompt_text
-    if text is None:
-        text = prompt if isinstance(prompt, str) else _text_of(prompt)
-    return request, {} if text is None else {"prompt_text": text}
-
-
-def _text_of(prompt: Any) -> str | None:
-    # The text of a rendered or typed prompt (a dict), for the outputs' ``prompt``.
-    text = prompt.get("prompt") if isinstance(prompt, dict) else None
-    return text if isinstance(text, str) else None
+    return args.add_request_options()

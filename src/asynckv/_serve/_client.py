@@ -116,12 +116,14 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
         The request is submitted when the generator is first iterated. vLLM's
         server drives it in a task per request and cancels that task when the
         client goes away; the cancellation (or ``aclose()``, or garbage
-        collection) aborts the request. With ``data_parallel_rank`` or a
-        reasoning field set, vLLM's input processor builds the engine request
-        on the worker first (one more pass of the worker).
+        collection) aborts the request. The request arguments are checked
+        first, on this loop, as ``AsyncEngine.generate`` checks them:
+        ``data_parallel_rank`` 0 or None (one engine core), anything else
+        refused with ``AsyncLLM``'s ``VLLMValidationError``.
 
         Raises:
             NotImplementedError: ``prompt`` is an async generator (streaming input).
+            VLLMValidationError: a ``data_parallel_rank`` other than 0.
             EngineDeadError: the engine died (asynckv's, which is vLLM's too).
             EngineGenerateError: any other failure, from the original error;
                 vLLM's ``VLLMClientError``s (a bad request) pass unchanged.
@@ -142,9 +144,7 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
                 reasoning_ended=reasoning_ended,
                 reasoning_parser_kwargs=reasoning_parser_kwargs,
             )
-            prompt, options = await engine_options(
-                self.engine, request_id, prompt, sampling_params, args
-            )
+            options = await engine_options(self.engine, prompt, args)
             async with self.engine.generate(prompt, sampling_params, request_id, **options) as s:
                 async for out in s:
                     yield out

@@ -32,6 +32,7 @@ from .._log import emit, enabled
 from .._vllm import (
     EngineLike,
     abort_outputs,
+    add_request,
     is_engine_dead,
     pause_core_scheduler,
     resume_core_scheduler,
@@ -195,7 +196,7 @@ class Applier:
             outbox.post(add.sink.loop, add.sink.fail, duplicate)
             return
         try:
-            engine.add_request(request_id, add.prompt, add.params, **add.kwargs)
+            add_request(engine, request_id, add.prompt, add.params, add.kwargs)
         except Exception as exc:
             if is_engine_dead(exc):
                 raise
@@ -236,7 +237,7 @@ class Applier:
             outbox.post(route.loop, route.sink.fail, failure)
             return
         for item in readmissions:
-            engine.add_request(item.engine_id, item.prompt, item.params, **item.kwargs)
+            add_request(engine, item.engine_id, item.prompt, item.params, item.kwargs)
         error = self.registry.add_route(request_id, route)
         if error is not None:  # closed or dead meanwhile
             outbox.post(route.loop, route.sink.fail, error)

@@ -21,7 +21,7 @@ from .._bridge._channel import Outbox
 from .._errors import RequestNotResumedError
 from .._log import emit
 from .._types import RestartPolicy
-from .._vllm import EngineLike, detokenizers, pause_core_scheduler, shutdown_core
+from .._vllm import EngineLike, add_request, detokenizers, pause_core_scheduler, shutdown_core
 from ._life import Deaths, GiveUp, Rebuild
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class Recovery:
                     outbox.post(route.loop, route.sink.fail, refused)
                     continue
                 for item in readmissions:
-                    engine.add_request(item.engine_id, item.prompt, item.params, **item.kwargs)
+                    add_request(engine, item.engine_id, item.prompt, item.params, item.kwargs)
                 registry.readmitted(request_id, route)
                 outbox.post(route.loop, route.sink.resumed)
                 resumed += 1
