@@ -23,7 +23,7 @@ Endpoints:
   (``ignore_eos``, ``top_k``, ``min_tokens``, ``repetition_penalty``, ...).
   JSON, or with ``stream`` server-sent events in OpenAI's chunk format, ending
   with ``data: [DONE]`` (usage last with ``stream_options.include_usage``).
-* ``GET /v1/models``: the one model.
+* ``GET /v1/models``: the one model, with the engine's ``max_model_len``.
 * ``POST /reset_prefix_cache``: ``{"reset_running_requests": bool}`` in,
   ``{"reset": bool}`` out (every engine's answer, and-ed).
 * ``POST /pause``: ``{"mode": "abort" | "wait" | "keep"}`` (``AsyncEngine.pause_generation``
@@ -41,10 +41,14 @@ queue. ``--engines N`` serves from ``AsyncEnginePool``, N engines on one loop.
 ``--restart N`` rebuilds an engine that died (its engine core killed, say)
 up to N times a minute: streaming clients see their tokens continue.
 
-Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
-400 for a body that doesn't validate or a request the engine refuses (a
-prompt longer than the model takes, say), 503 when the engines are dead or
-closed. An error after a stream has started arrives as an ``error`` event.
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+whatever fails: 400 for a body that doesn't validate (not UTF-8, not JSON, a
+prompt with a lone surrogate, ...) or a request the engine refuses (a prompt
+longer than the model takes, say); 404 for a ``model`` other than the one
+served, as ``vllm serve`` answers it (type ``NotFoundError``, "The model
+`nope` does not exist. Valid aliases: demo."), and for an unknown path; 503 when the engines are
+dead or closed; 500 for a bug. An error after a stream has started arrives as
+an ``error`` event.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm import EngineArgs
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -129,6 +134,25 @@ async def _on_bad_request(request: Request, exc: Exception) -> JSONResponse:
     # vLLM's protocol models raise VLLMValidationError from their validators, which
     # pydantic passes through instead of making a validation error of it.
     return _invalid(exc)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    # FastAPI's own refusals (a body it can't decode, an unknown path, a wrong method).
+    assert isinstance(exc, HTTPException)
+    if isinstance(exc.__cause__, UnicodeDecodeError):
+        bad = exc.__cause__
+        message = f"invalid body: not valid UTF-8 ({bad.reason} at byte {bad.start})"
+    else:
+        message = str(exc.detail)
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    response = _error(exc.status_code, message, kind)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _on_crash(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette still logs the traceback: an exception that gets here is a bug.
+    return _error(500, f"{type(exc).__name__}: {exc}", "internal_error")
 
 
 async def _on_invalid_body(request: Request, exc: Exception) -> JSONResponse:
@@ -208,8 +232,11 @@ def create_app(
         backend = AsyncEngine.from_engine_args(engine_args, restart=restart)
         members = (backend,)
     served = engine_args.served_model_name
-    name = model_name or (served if isinstance(served, str) else None)
-    name = name or (str(served[0]) if served else str(engine_args.model))
+    names = [served] if isinstance(served, str) else [str(s) for s in served or ()]
+    names = [model_name] if model_name else names or [str(engine_args.model)]
+    name = names[0]
+    # The model's card: max_model_len is the engine's (the model's own when no flag set it).
+    card: dict[str, Any] = {"id": name, "object": "model", "owned_by": "asynckv"}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -217,11 +244,14 @@ def create_app(
             # The tokenizer and the model's length are read from the engine that was
             # built; read them now, while it is up, so they stay readable if it dies.
             _ = members[0].tokenizer
+            card["max_model_len"] = int(members[0].model_config.max_model_len)
             yield
 
     app = FastAPI(title="asynckv completions server", lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
     app.add_exception_handler(VLLMValidationError, _on_bad_request)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_crash)
     app.add_middleware(Guard, api_key=api_key, max_pending=max_pending)
 
     @app.post("/v1/completions", response_model=None)
@@ -229,6 +259,9 @@ def create_app(
         if body.suffix is not None or body.use_beam_search or body.prompt_embeds is not None:
             return _error(400, "suffix, beam search and prompt embeddings are not supported",
                           "invalid_request_error")  # fmt: skip
+        if body.model and body.model not in names:  # as vllm serve: no model named is fine
+            unknown = f"The model `{body.model}` does not exist. Valid aliases: {', '.join(names)}."
+            return _error(404, unknown, "NotFoundError", "model")
         engine = members[0]  # for the tokenizer and limits, the same on every engine
         try:
             prompts = _prompts(body.prompt)
@@ -269,8 +302,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": name, "object": "model", "owned_by": "asynckv"}
-        return {"object": "list", "data": [card | {"max_model_len": engine_args.max_model_len}]}
+        return {"object": "list", "data": [card]}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(body: ResetBody | None = None) -> Any:
@@ -335,10 +367,27 @@ def _prompts(prompt: Any) -> list[str | TokensPrompt]:
     if prompt is None or prompt == [] or prompt == "":
         raise VLLMValidationError("prompt must not be empty", parameter="prompt")
     if isinstance(prompt, str):
-        return [prompt]
+        return [_unicode(prompt)]
     if all(isinstance(p, int) for p in prompt):
         return [TokensPrompt(prompt_token_ids=list(prompt))]
-    return [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompt]
+    return [
+        _unicode(p) if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p))
+        for p in prompt
+    ]
+
+
+def _unicode(text: str) -> str:
+    """``text``, if it is valid Unicode: JSON's escapes can spell a lone surrogate, which isn't."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = f"U+{ord(text[exc.start]):04X} at character {exc.start}"
+        raise VLLMValidationError(
+            f"prompt is not valid Unicode: a lone surrogate ({where}); a character "
+            "beyond U+FFFF is escaped in JSON as a pair of surrogates",
+            parameter="prompt",
+        ) from None
+    return text
 
 
 def _max_tokens(body: CompletionRequest, prompt: str | TokensPrompt, engine: AsyncEngine) -> int:

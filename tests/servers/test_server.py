@@ -143,7 +143,7 @@ async def test_health_stats_and_models(client: httpx.AsyncClient, server: Server
     assert all(set(engine) == set(EngineStats._fields) for engine in stats["engines"])
     assert stats["requests_in_flight"] == 0
     models = (await client.get("/v1/models")).json()
-    assert [m["id"] for m in models["data"]] == [server.model]
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(server.model, 512)]
 
 
 async def test_completion(client: httpx.AsyncClient, server: Server) -> None:
@@ -260,8 +260,11 @@ async def test_reset_during_streaming(client: httpx.AsyncClient) -> None:
 
 # vLLM's CompletionRequest parses the body: its own checks, and its lax JSON ("8" is 8),
 # with unknown fields ignored (and logged) as vLLM's own server ignores them.
-BAD_BODIES: list[tuple[str, str]] = [
+BAD_BODIES: list[tuple[str | bytes, str]] = [
     ("not json", "not valid JSON"),
+    (b'{"prompt": "caf\xe9"}', "not valid UTF-8"),  # Latin-1, say
+    ('{"prompt": "\\ud800 alone"}', "lone surrogate (U+D800 at character 0)"),
+    ('{"prompt": ["fine", "also \\udfff"]}', "lone surrogate (U+DFFF at character 5)"),
     ("[1, 2]", "expected a JSON object"),
     ("{}", "prompt"),
     ('{"prompt": ""}', "prompt"),
@@ -282,7 +285,7 @@ BAD_BODIES: list[tuple[str, str]] = [
 
 
 @pytest.mark.parametrize(("body", "message"), BAD_BODIES)
-async def test_bad_body(client: httpx.AsyncClient, body: str, message: str) -> None:
+async def test_bad_body(client: httpx.AsyncClient, body: str | bytes, message: str) -> None:
     """A body that doesn't validate gets a 400 whose message names the problem."""
     r = await client.post(
         "/v1/completions", content=body, headers={"Content-Type": "application/json"}
@@ -330,6 +333,23 @@ async def test_prompt_too_long(client: httpx.AsyncClient, stream: bool) -> None:
     assert r.status_code == 400, r.text
     assert "maximum context length" in r.json()["error"]["message"]
     assert (await client.get("/health")).status_code == 200
+
+
+async def test_unknown_model_and_path_are_openai_404s(
+    client: httpx.AsyncClient, oai: openai.AsyncOpenAI
+) -> None:
+    """A model other than the one served gets vllm serve's 404; an unknown path OpenAI's shape."""
+    r = await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("NotFoundError", "model")
+    assert error["message"].startswith("The model `nope` does not exist.")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await oai.completions.create(model="nope", prompt="x", max_tokens=1)
+    for method, path in (("GET", "/v1/nope"), ("GET", "/v1/completions")):
+        r = await client.request(method, path)
+        assert r.status_code in (404, 405), r.text
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
 async def test_openai_client_sees_400(oai: openai.AsyncOpenAI, server: Server) -> None:
