@@ -115,7 +115,7 @@ async def test_data_parallel_rank_and_reasoning(client: AsyncEngineClient) -> No
 
 
 async def test_engine_generate_takes_asyncllms_request_arguments(engine: AsyncEngine) -> None:
-    """AsyncEngine.generate takes rank 0 and the reasoning fields; what it can't take fails at once."""
+    """generate takes rank 0 and the reasoning fields; what it can't take fails at once."""
     out = await engine.generate(
         "Rank zero", _params(3), "gen-dp0", data_parallel_rank=0, reasoning_ended=True
     )
@@ -197,6 +197,27 @@ async def test_engine_calls_between_steps(engine: AsyncEngine, client: AsyncEngi
     assert await client.get_weight_version() == "v-test"
     assert not await client.is_paused()
     await client.check_health()
+
+
+async def test_health_and_fault_status(
+    client: AsyncEngineClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check_health raises vLLM's EngineDeadError whenever errored; the FT status is healthy."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+    from vllm.v1.fault_tolerance.utils import FaultToleranceRequest
+
+    await client.check_health()
+    for patched in (AsyncEngineClient, AsyncEngine):
+        with monkeypatch.context() as m:
+            m.setattr(patched, "errored", property(lambda self: True))
+            with pytest.raises(VllmEngineDeadError):
+                await client.check_health()
+    await client.check_health()
+    status = await client.get_status()
+    assert status["total_engines"] == 1 and status["engines"][0]["status"] == "healthy"
+    retry = FaultToleranceRequest(instruction="retry", params={}, request_id="ft-client")
+    result = await client.handle_fault(retry)
+    assert not result.success and "status is HEALTHY" in (result.reason or "")
 
 
 async def _until(check: Any, seconds: float = 30.0) -> None:

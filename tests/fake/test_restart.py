@@ -270,3 +270,86 @@ async def test_abort_during_a_restart() -> None:
     assert "abort leaving" in second.log
     assert await engine.run_on_engine(lambda e: e.get_num_unfinished_requests()) == 0
     await engine.aclose()
+
+
+# -- vLLM's fault-tolerance calls read the restarts (issue 30) -------------------------
+
+
+def _retry(request_id: str) -> Any:
+    from vllm.v1.fault_tolerance.utils import FaultToleranceRequest
+
+    return FaultToleranceRequest(instruction="retry", params={}, request_id=request_id)
+
+
+def _status(status: str, **extra: str) -> dict[str, Any]:
+    return {
+        "schema_version": 1,
+        "total_engines": 1,
+        "engines": [{"id": 0, "status": status, **extra}],
+    }
+
+
+async def test_fault_status_follows_a_restart() -> None:
+    """get_status: healthy, unhealthy while rebuilt; a "retry" then waits for the rebuild."""
+    engine, rebuild = restarting()
+    assert await engine.get_status() == _status("healthy")
+    refused = await engine.handle_fault(_retry("ft-1"))
+    assert not refused.success
+    assert refused.reason == "[FT] Rejecting retry on engine 0: status is HEALTHY"
+    assert await engine.get_status() == _status(
+        "healthy", last_ft_request_id="ft-1", ft_error=refused.reason
+    )
+    stream = engine.generate("r", TWENTY)
+    assert await asyncio.to_thread(rebuild.building.wait, 10)
+    status = await engine.get_status()
+    entry = status["engines"][0]
+    assert (entry["status"], entry["fault_info"], entry["last_ft_request_id"]) == (
+        "unhealthy",
+        "OSError",
+        "ft-1",  # the last refusal stays, as in vLLM's client
+    )
+    retry = asyncio.ensure_future(engine.handle_fault(_retry("ft-2")))
+    await asyncio.sleep(0)  # one pass of the loop: the retry reads the status, then waits
+    rebuild.release.set()
+    result = await asyncio.wait_for(retry, 10)
+    assert (result.request_id, result.success, result.reason) == ("ft-2", True, None)
+    assert (await engine.get_status())["engines"][0]["status"] == "healthy"
+    assert (await stream).outputs[0].token_ids == list(range(20))
+    await engine.aclose()
+    with pytest.raises(EngineClosedError):
+        await engine.get_status()
+
+
+async def test_fault_status_of_a_dead_engine() -> None:
+    """Beyond the policy the status is "dead", and check_health raises vLLM's EngineDeadError."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+    first = FakeEngine()
+    failing_after(first, 2, OSError("device lost"))
+
+    def rebuild() -> FakeEngine:
+        raise RuntimeError("no memory for a new engine")
+
+    engine = AsyncEngine(first, rebuild=rebuild)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(engine.generate("r", TWENTY), 10)
+    assert await engine.get_status() == _status("dead")
+    result = await engine.handle_fault(_retry("ft-dead"))
+    assert not result.success and result.reason.endswith("status is DEAD")
+    with pytest.raises(VllmEngineDeadError):
+        await engine.check_health()
+    await engine.aclose()
+
+
+async def test_check_health_raises_whenever_errored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As AsyncLLM's: with ``errored`` true (patched), check_health raises EngineDeadError."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+    engine = AsyncEngine(FakeEngine())
+    await engine.check_health()
+    with monkeypatch.context() as patched:
+        patched.setattr(AsyncEngine, "errored", property(lambda self: True))
+        with pytest.raises(VllmEngineDeadError):
+            await engine.check_health()
+    await engine.check_health()
+    await engine.aclose()

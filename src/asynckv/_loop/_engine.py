@@ -143,6 +143,7 @@ class AsyncEngine(AsyncLLMMethods):
             lambda: llm_engine, freeze_gc, checked_restart(restart), rebuild, keep_off_model_cores
         )
         self._closed = False
+        self._fault_refused: tuple[str, str] | None = None
         self._stream_interval = checked_stream_interval(stream_interval)
         self._worker.start(None)
 
@@ -259,6 +260,7 @@ class AsyncEngine(AsyncLLMMethods):
             self._record.wrap(build), freeze_gc, policy, build, keep_off_model_cores
         )
         self._closed = False
+        self._fault_refused = None
         self._stream_interval = checked_stream_interval(stream_interval)
         return self
 
@@ -639,9 +641,13 @@ class AsyncEngine(AsyncLLMMethods):
 
         Never waits for the worker, so it answers even while a step hangs.
 
+        As ``AsyncLLM.check_health``, it raises ``dead_error`` whenever
+        ``errored`` is true, before anything else is read.
+
         Raises:
             EngineClosedError: the engine was closed.
-            EngineDeadError: the engine died (with a ``RestartPolicy``: beyond it).
+            EngineDeadError: the engine died (with a ``RestartPolicy``: beyond
+                it), that is ``errored`` is true; vLLM's ``EngineDeadError`` too.
             EngineRestartingError: a dead engine is being rebuilt (its
                 ``RestartPolicy``): degraded, not dead; requests wait and resume.
             EngineStalledError: a ``step()`` has been running for longer than
@@ -650,8 +656,10 @@ class AsyncEngine(AsyncLLMMethods):
                 completed for that long.
         """
         self._check_open()
+        if self.errored:
+            raise self.dead_error
         snap = self._worker.health()
-        if (error := snap.dead_error) is not None:
+        if (error := snap.dead_error) is not None:  # it died since errored was read
             raise error
         if snap.restart_cause is not None:
             raise EngineRestartingError(snap.restart_cause)
@@ -667,6 +675,81 @@ class AsyncEngine(AsyncLLMMethods):
         idle = now - max(snap.last_step_end or 0.0, snap.busy_since)
         if idle > stall_timeout:
             raise EngineStalledError(idle, snap.in_flight)
+
+    async def get_status(self) -> dict[str, Any]:
+        """The engine's fault-tolerance status, in ``AsyncLLM.get_status``'s shape.
+
+        ``{"schema_version": 1, "total_engines": 1, "engines": [entry]}``, the
+        entry ``{"id": 0, "status": ...}`` read from asynckv's lifecycle, without
+        waiting for the worker (any thread's loop; it answers while a step
+        hangs): ``"healthy"`` while running, ``"unhealthy"`` while a dead
+        engine is rebuilt under its ``RestartPolicy`` (with ``"fault_info"``,
+        the death's exception type, as vLLM gives it), ``"dead"`` once it died
+        for good. After a ``handle_fault`` that failed, the entry also has
+        ``"last_ft_request_id"`` and ``"ft_error"``, as vLLM's client adds them.
+        Unlike ``AsyncLLM``, whose list is empty unless
+        ``--enable-fault-tolerance`` is set, the entry is always there:
+        asynckv's restarts need no flag.
+
+        Raises:
+            EngineClosedError: the engine was closed.
+            EngineNotStartedError: the engine is not started.
+        """
+        entry = self._fault_entry()
+        if self._fault_refused is not None:
+            entry["last_ft_request_id"], entry["ft_error"] = self._fault_refused
+        return {"schema_version": 1, "total_engines": 1, "engines": [entry]}
+
+    async def handle_fault(self, fault_tolerance_request: Any) -> Any:
+        """Apply a ``FaultToleranceRequest`` and return vLLM's ``FaultToleranceResult``.
+
+        As vLLM's engine core does, an instruction is taken only while the
+        engine is unhealthy (``get_status``), that is while asynckv rebuilds
+        it: otherwise the result is a failure whose reason names the status
+        (``"[FT] Rejecting retry on engine 0: status is HEALTHY"``). The one
+        instruction is vLLM's ``"retry"``; asynckv's ``RestartPolicy``
+        already rebuilds the engine and resumes its requests by itself, so
+        "retry" waits for that rebuild (a no-op command the worker applies on
+        the new engine, in FIFO order with every other) and succeeds once it
+        is running, or fails with the ``EngineDeadError`` if it gave up.
+        Cancelling the wait leaves the rebuild alone.
+
+        Raises:
+            EngineClosedError: the engine was closed.
+            EngineNotStartedError: the engine is not started.
+        """
+        from vllm.v1.fault_tolerance.utils import FaultToleranceResult
+
+        request = fault_tolerance_request
+        status = self._fault_entry()["status"]
+        reason: str | None = None
+        if status != "unhealthy":
+            reason = f"[FT] Rejecting {request.instruction} on engine 0: status is {status.upper()}"
+        elif request.instruction != "retry":
+            reason = f"[FT] Unknown instruction {request.instruction!r}: asynckv takes 'retry'"
+        else:
+            try:
+                await self.run_on_engine(lambda _: None)
+            except EngineDeadError as dead:
+                reason = str(dead)
+        if reason is not None:
+            self._fault_refused = (request.request_id, reason)
+        return FaultToleranceResult(
+            request_id=request.request_id, success=reason is None, reason=reason
+        )
+
+    def _fault_entry(self) -> dict[str, Any]:
+        # One engine's entry of get_status, from the lifecycle (Running, Restarting, Dead).
+        self._check_open()
+        if not self._worker.started:
+            raise EngineNotStartedError()
+        snap = self._worker.health()
+        if snap.dead_error is not None:
+            return {"id": 0, "status": "dead"}
+        if snap.restart_cause is not None:
+            fault = type(snap.restart_cause).__name__
+            return {"id": 0, "status": "unhealthy", "fault_info": fault}
+        return {"id": 0, "status": "healthy"}
 
     @property
     def restarting(self) -> bool:

@@ -65,8 +65,10 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
 
     The engine stays the caller's: ``shutdown()`` closes it (vLLM's server
     calls it on SIGTERM), nothing else here does. Where ``LLMEngine`` can't do
-    what a method asks (pooling, streaming inputs, elastic expert parallelism,
-    fault tolerance), it raises ``NotImplementedError``.
+    what a method asks (pooling, streaming inputs, elastic expert
+    parallelism), it raises ``NotImplementedError``. vLLM's fault-tolerance
+    calls (``get_status``, ``handle_fault``) answer from asynckv's own
+    lifecycle: its restarts under a ``RestartPolicy``.
 
     Raises:
         EngineNotStartedError: the engine is not started.
@@ -224,8 +226,21 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
         return self.engine.dead_error
 
     async def check_health(self) -> None:
-        """Raise unless the engine is usable (``AsyncEngine.check_health``)."""
+        """Raise unless the engine is usable (``AsyncEngine.check_health``).
+
+        As ``AsyncLLM``'s, it raises ``dead_error`` whenever ``errored`` is true.
+        """
+        if self.errored:
+            raise self.dead_error
         await self.engine.check_health()
+
+    async def get_status(self) -> dict[str, Any]:
+        """The fault-tolerance status, in ``AsyncLLM``'s shape (``AsyncEngine.get_status``)."""
+        return await self.engine.get_status()
+
+    async def handle_fault(self, fault_tolerance_request: Any) -> Any:
+        """Apply a ``FaultToleranceRequest`` (``AsyncEngine.handle_fault``): ``"retry"``."""
+        return await self.engine.handle_fault(fault_tolerance_request)
 
     async def get_supported_tasks(self) -> tuple[Any, ...]:
         """The model's tasks, less the pooling ones, which asynckv does not serve."""
