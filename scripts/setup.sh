@@ -46,8 +46,11 @@ _asynckv_cpu=""
 if [ "$_asynckv_want" != "$_asynckv_have" ] ||
     { [ -n "$_asynckv_cpu" ] && [ -n "$(_asynckv_companions)" ]; }; then
     rm -f "$_asynckv_stamp"
-    "$py" -m pip install --quiet --disable-pip-version-check -e ".[$_asynckv_want]" \
-        2> >(grep -v "^WARNING: Location" >&2)
+    if ! "$py" -m pip install --quiet --disable-pip-version-check -e ".[$_asynckv_want]" \
+        2> >(grep -v "^WARNING: Location" >&2); then
+        echo "scripts/setup.sh: pip install -e '.[$_asynckv_want]' failed" >&2
+        return 1 2>/dev/null || exit 1 # sourced, or run
+    fi
     if [ -n "$_asynckv_cpu" ]; then
         "$py" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
     fi
