@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from vllm import EngineArgs, LLMEngine, SamplingParams
@@ -20,6 +21,7 @@ from asynckv.testing import demo_model
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only]
 
 ROBOT = "A robot may not injure a human being " * 50
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +149,44 @@ def test_greedy_tokens_match_sync_loop_and_no_reset(
     assert len(async_tokens["0"]) == 16
     assert async_tokens["0"] == async_tokens["1"]
     assert async_tokens == with_reset == without_reset
+
+
+def shown_output(path: Path, after: str) -> tuple[str, str]:
+    """The first ``text`` block after the heading ``after`` in ``path``, and the text after it."""
+    text = path.read_text()
+    rest = text[text.index(after) :]
+    start = rest.index("```text\n") + len("```text\n")
+    end = rest.index("```\n", start)
+    return rest[start:end].rstrip("\n"), rest[end:]
+
+
+def fixed_part(printed: str) -> list[str]:
+    """The printed lines, with what the README says varies by machine masked; sorted.
+
+    Masked: the completions of requests 0, 1 and 3 (text, logprob, length and
+    finish reason) and the timings. Sorted: requests 2 and 3 may finish in
+    either order.
+    """
+    lines, request = [], ""
+    for line in printed.splitlines():
+        if match := re.match(r"request (\d) finished", line):
+            request = match[1]
+        if line.startswith("  completion") and request in ("0", "1", "3"):
+            line = re.sub(r"^(  completion \d+): .*$", r"\1: VARIES", line)
+        lines.append(re.sub(r"\d+\.\d+ s\b", "# s", line))
+    return sorted(lines)
+
+
+def test_readme_shows_this_output_but_for_what_it_says_varies(
+    example: tuple[reset_kv_async.Report, str],
+) -> None:
+    """The README's (and docs/example.md's) output is this run's, but for the parts it names.
+
+    What it says varies by machine (the demo model's text for requests 0, 1
+    and 3, the timings) is masked; the rest, request 2's recital included,
+    must be what this run printed.
+    """
+    shown, after = shown_output(ROOT / "README.md", "## Running the example")
+    assert "vary by machine" in " ".join(after.split()[:80])
+    assert fixed_part(shown) == fixed_part(example[1])
+    assert shown_output(ROOT / "docs" / "example.md", "## Output")[0] == shown
