@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is None:
         from asynckv.testing import demo_model
 
-        args.model = str(demo_model())  # built and cached on first use (about 15 s)
+        args.model = str(demo_model())  # trained and cached on first use (minutes)
         model_name = "demo"
     app = create_app(
         EngineArgs.from_cli_args(args),

@@ -63,7 +63,9 @@ def demo_model(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     Address) until the model has memorised it.  Greedy decoding of a line of
     that text continues it with the text's next words; other prompts get
     fluent-looking fragments of it.  Training runs a fixed number of seeded
-    optimisation steps on the CPU, about 15 seconds on two idle cores; it needs
+    optimisation steps on the CPU, whose time depends on the cores and on
+    what else runs on them: 23 minutes on a shared two-core machine under
+    heavy load (load average above 20), less on idle cores. It needs
     ``torch`` and ``transformers`` (both come with vLLM).
 
     Guarantees are those of ``tiny_model()``: cached in the same place (in a

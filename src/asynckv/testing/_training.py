@@ -20,8 +20,9 @@ _DEMO_CONFIG: dict[str, Any] = {**CONFIG, "initializer_range": 0.02}
 # Each step trains on a batch of windows of the text, each one starting at the
 # beginning of a line (after <s>, as prompts start), so that a line given as a
 # prompt is tokenized exactly as in training.  A fixed step count, not a time
-# budget, keeps the build deterministic; 300 steps take about 15 s on 2 idle cores
-# and leave all but one of the text's lines reproduced by greedy decoding.
+# budget, keeps the build deterministic; 300 steps (23 min on a heavily loaded shared
+# two-core machine, less on idle cores) leave all but one of the text's lines
+# reproduced by greedy decoding.
 _TRAINING: dict[str, Any] = {
     "steps": 300,
     "batch_size": 16,
