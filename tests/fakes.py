@@ -46,7 +46,7 @@ class FakeEngine:
         self.shut_down = threading.Event()
         self.metrics: object = None  # what outputs carry as vLLM's per-request stats
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, timeout: float | None = None) -> None:
         self.shut_down.set()
 
     def add_request(

@@ -31,11 +31,19 @@ class EngineClosedError(AsyncKVError):
     """Raised when the engine was closed by ``aclose()`` or ``shutdown()``.
 
     Streams still in flight at the close end with it, and so does every call
-    made after it.
+    made after it. During a close's ``drain``, a new request ends with it at
+    once (``draining`` is True, and the message says the engine is shutting
+    down) while the admitted ones go on.
     """
 
-    def __init__(self) -> None:
-        super().__init__("the engine was closed")
+    def __init__(self, *, draining: bool = False) -> None:
+        self.draining = draining
+        """Whether a drain refused it: the engine was finishing its admitted requests."""
+        super().__init__(
+            "the engine is shutting down: it finishes the requests it has and takes no new ones"
+            if draining
+            else "the engine was closed"
+        )
 
 
 class EngineNotStartedError(AsyncKVError):

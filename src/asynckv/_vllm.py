@@ -115,10 +115,21 @@ def has_core_process(engine: EngineLike) -> bool:
     return hasattr(engine.engine_core, "call_utility")
 
 
-def shutdown_core(engine: EngineLike) -> None:
-    """Shut the engine core down (its processes too); never raises."""
+def shutdown_core(engine: EngineLike, timeout: float | None = 0.0) -> None:
+    """Shut the engine core down (its processes too); never raises.
+
+    ``timeout`` is what vLLM's process manager waits for the engine-core
+    process to exit after its SIGTERM before it kills what is left: 0 (what
+    ``vllm serve`` passes with its default ``--shutdown-timeout``) kills at
+    once, None waits vLLM's default 5 s. The core needs no more: it has
+    finished with its requests before this is called (asynckv drains on its
+    side of the process, in ``Worker.close``), and a full exit of its
+    processes takes 10-15 s on two cores, nearly all of it the garbage
+    collections of their interpreters' teardown, which frees nothing the OS
+    would not.
+    """
     with contextlib.suppress(BaseException):
-        engine.engine_core.shutdown()
+        engine.engine_core.shutdown(timeout=timeout)
 
 
 def abort_outputs(engine: EngineLike, request_id: str) -> list[RequestOutput]:

@@ -293,13 +293,20 @@ class AsyncEngine(AsyncLLMMethods):
         self._worker.start(reply)
         await reply.future
 
-    async def aclose(self, timeout: float = 30.0) -> None:
+    async def aclose(self, timeout: float = 30.0, *, drain: float = 0.0) -> None:
         """Close the engine: end what is in flight, shut vLLM down, join the worker.
 
         Streams and commands still in flight end with ``EngineClosedError``, as
         do all later calls. Waits (without blocking the loop) up to about
         ``timeout`` seconds for the worker; a worker stuck in a dead engine is
         abandoned and its engine processes killed. Idempotent.
+
+        ``drain`` (seconds, vLLM's ``--shutdown-timeout``): first let the
+        requests already admitted finish, for up to that long, while every new
+        one ends at once with ``EngineClosedError`` (its ``draining`` set);
+        then close as above. 0 ends what is in flight at once. Without a drain
+        the engine is closed in well under a second: vLLM's engine-core
+        processes are stopped as ``vllm serve`` stops them.
 
         A cancellation never stops a close that has begun. Under a trio (or
         anyio) cancel scope the wait is shielded: leaving ``async with engine:``
@@ -312,19 +319,19 @@ class AsyncEngine(AsyncLLMMethods):
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._worker.close, timeout)
+            await anyio.to_thread.run_sync(self._worker.close, timeout, checked_drain(drain))
 
-    def shutdown(self, timeout: float | None = None) -> None:
+    def shutdown(self, timeout: float | None = None, *, drain: float = 0.0) -> None:
         """Blocking ``aclose()``, for any thread; idempotent.
 
-        ``timeout`` as in ``aclose()``; None (``AsyncLLM``'s default, which
-        waits without limit there) waits up to 30 seconds, so that a worker
-        stuck in a dead engine can't hang the caller.
+        ``timeout`` and ``drain`` as in ``aclose()``; a ``timeout`` of None
+        (``AsyncLLM``'s default, which waits without limit there) waits up to
+        30 seconds, so that a worker stuck in a dead engine can't hang the caller.
         """
         if self._closed:
             return
         self._closed = True
-        self._worker.close(30.0 if timeout is None else timeout)
+        self._worker.close(30.0 if timeout is None else timeout, checked_drain(drain))
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -340,7 +347,7 @@ class AsyncEngine(AsyncLLMMethods):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise EngineClosedError()
+            raise EngineClosedError(draining=self._worker.draining)
 
     def _submit(self, command: Any) -> None:
         self._check_open()
@@ -817,6 +824,15 @@ def checked_stream_interval(seconds: object) -> float:
         raise TypeError(f"stream_interval must be a number of seconds, not {seconds!r}")
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"stream_interval must be finite and >= 0, got {seconds}")
+    return float(seconds)
+
+
+def checked_drain(seconds: object) -> float:
+    """A close's drain in seconds: a finite number >= 0 (0: end what is in flight at once)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(f"drain must be a number of seconds, not {seconds!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"drain must be finite and >= 0, got {seconds}")
     return float(seconds)
 
 

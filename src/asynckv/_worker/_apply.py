@@ -27,7 +27,7 @@ from .._bridge._channel import (
     Reset,
     Resume,
 )
-from .._errors import RequestNotResumedError
+from .._errors import EngineClosedError, RequestNotResumedError
 from .._log import emit, enabled
 from .._vllm import (
     EngineLike,
@@ -72,6 +72,11 @@ class Applier:
     def apply(self, engine: EngineLike, command: Order, outbox: Outbox) -> None:
         match command:
             case Add():
+                if self.registry.draining:
+                    outbox.post(
+                        command.sink.loop, command.sink.fail, EngineClosedError(draining=True)
+                    )
+                    return
                 self.change(engine, outbox, lambda c: c.add(command), command)
             case Abort():
                 self._abort(engine, command.request_ids, outbox, command.why)

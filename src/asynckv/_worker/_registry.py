@@ -111,6 +111,9 @@ class Registry:
         """Engine ids of resumed completions (``n > 1``) -> their request's route."""
         self.stopped: list[str] = []
         """Engine requests ended by a stop string across a resume's join (to abort)."""
+        self.draining = False
+        """Set once by ``Worker.close`` with a drain (the closing thread); read by the
+        worker as it applies an ``Add``, which it then refuses. One word: no lock."""
 
     @property
     def error(self) -> BaseException | None:

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._vllm import EngineLike, engine_processes, watch_outputs
+from .._vllm import EngineLike, engine_processes, has_core_process, watch_outputs
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -50,6 +50,9 @@ class EngineRun:
         """Whether vLLM's output thread ever told us of an output (multiprocess mode)."""
         self.output_ready: Callable[[], bool] | None = watch_outputs(engine, self.output_arrived)
         """Whether the core's next output is waiting (None: no hook, step blindly)."""
+        self._core_stats = has_core_process(engine)
+        """Whether an output with nothing in flight is the core's scheduler stats (vLLM's
+        engine-core client); anything else is stepped only for its requests."""
 
     def output_arrived(self) -> None:
         """The core's next output arrived (vLLM's output thread)."""
@@ -65,3 +68,13 @@ class EngineRun:
         """Whether a ``step()`` would find an output (or can't tell)."""
         ready = self.output_ready
         return ready is None or ready()
+
+    def output_known_waiting(self) -> bool:
+        """Whether the hook says the core's next output is waiting (False if it can't tell).
+
+        With nothing unfinished such an output carries only the core's
+        scheduler stats (the step after an abort, say): stepping reads it,
+        so vLLM's gauges follow the core at once.
+        """
+        ready = self.output_ready
+        return self._core_stats and ready is not None and ready()

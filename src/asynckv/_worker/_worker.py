@@ -132,6 +132,11 @@ class Worker:
         return self.registry.restart_cause is not None
 
     @property
+    def draining(self) -> bool:
+        """Whether a close is letting the admitted requests finish (new ones are refused)."""
+        return self.registry.draining and not self.registry.ended
+
+    @property
     def admission_paused(self) -> bool:
         """Whether ``pause_generation()`` is in force (admissions wait)."""
         return not self.registry.control.admitting
@@ -175,13 +180,24 @@ class Worker:
             held=not registry.control.stepping,
         )
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float, drain: float = 0.0) -> None:
         """Stop the worker, end everything in flight with ``EngineClosedError``, join.
 
-        Blocking; idempotent; any thread but the worker. Returns within about
-        ``timeout`` seconds even if the worker is stuck inside ``step()``: then the
-        engine processes are killed and the (daemon) thread is left behind.
+        Blocking; idempotent; any thread but the worker. With ``drain`` > 0 it
+        first lets the admitted requests finish, for up to ``drain`` seconds:
+        meanwhile every new request is refused (``EngineClosedError`` with
+        ``draining``) and the worker steps on; a death ends the drain. Then it
+        ends what is left and returns within about ``timeout`` seconds more,
+        even if the worker is stuck inside ``step()``: then the engine
+        processes are killed and the (daemon) thread is left behind.
+
+        The engine core is told to stop with no grace of its own, as ``vllm
+        serve`` does by default: its requests are done or ended by then, and
+        vLLM kills its processes after their SIGTERM instead of waiting out
+        their interpreters' teardown (``_vllm.shutdown_core``).
         """
+        if drain > 0 and self.started:
+            self._drain(drain)
         self._end(True, EngineClosedError())
         self._closing.set()
         run = self._run
@@ -197,6 +213,24 @@ class Worker:
                 except Exception as exc:  # already reaped elsewhere: nothing left to kill
                     emit(logging.DEBUG, "engine process kill failed", error=str(exc))
         emit(logging.INFO, "engine closed", steps=self.counters.steps)
+
+    def _drain(self, seconds: float) -> None:
+        """Refuse new requests and wait until none is in flight, the engine ends, or time is up.
+
+        Polls (10 ms): it runs once per engine, on the closing thread, and the
+        routes are read without the lock (one length).
+        """
+        registry = self.registry
+        registry.draining = True
+        self.inbox.nudge()  # an idle worker need not wake, but a parked Add should be refused
+        deadline = time.monotonic() + seconds
+        in_flight = len(registry.routes)
+        if in_flight:
+            emit(logging.INFO, "engine draining", in_flight=in_flight, seconds=seconds)
+        while registry.routes and not registry.ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if registry.routes:
+            emit(logging.INFO, "engine drain cut short", in_flight=len(registry.routes))
 
     def die(self, cause: BaseException, deaths: tuple[BaseException, ...] = ()) -> None:
         """Declare the engine dead: end everything in flight with ``EngineDeadError``.
@@ -246,7 +280,7 @@ class Worker:
                 decoded = self._died(run, cause)
             finally:
                 run.left.set()
-                shutdown_core(run.engine)
+                shutdown_core(run.engine, 0.0)
                 # The next engine's processes are started from this thread: all CPUs.
                 self.placement.release()
             if decoded is None:
@@ -363,6 +397,13 @@ class Worker:
             stepping = not inbox.closed and self._may_step(engine)
             if stepping and (step_anyway or run.output_waiting()):
                 self._step(engine, outbox)
+            elif not inbox.closed and self._stats_waiting(run):
+                # Nothing unfinished, yet the core sent an output: the scheduler
+                # stats of the step after the last abort or finish. vLLM's gauges
+                # (requests running, KV cache usage) are recorded as a step reads
+                # them; read now, they drop at once, as on AsyncLLM, not at the
+                # next request's first step.
+                self._step(engine, outbox)
             self._flush(engine, outbox)
 
     def _wait(self, run: EngineRun) -> tuple[deque[Order], bool]:
@@ -375,7 +416,8 @@ class Worker:
             carried.extend(self.inbox.take(block=False))
             return carried, False
         if not self._may_step(run.engine):
-            return self.inbox.take(block=True), False
+            # Woken by a command, or by the output hook's nudge (a stats-only output).
+            return self.inbox.take(block=not self._stats_waiting(run)), False
         if run.output_waiting():
             return self.inbox.take(block=False), False
         if run.hook_fired:
@@ -387,6 +429,15 @@ class Worker:
 
     def _may_step(self, engine: EngineLike) -> bool:
         return self.registry.control.stepping and engine.has_unfinished_requests()
+
+    def _stats_waiting(self, run: EngineRun) -> bool:
+        """Whether an output waits that only a step with nothing unfinished would read.
+
+        Only where the output hook can tell (multiprocess mode): in-process, a
+        step with nothing unfinished would compute an empty step, and blind
+        stepping would spin.
+        """
+        return self.registry.control.stepping and run.output_known_waiting()
 
     def _step(self, engine: EngineLike, outbox: Outbox) -> None:
         counters = self.counters
