@@ -24,6 +24,7 @@ from vllm.tasks import POOLING_TASKS
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.engine.exceptions import EngineGenerateError
 
+from .._errors import EngineClosedError
 from .._loop._requests import RequestArgs, engine_options
 
 if TYPE_CHECKING:
@@ -36,8 +37,11 @@ if TYPE_CHECKING:
 
 __all__ = ("AsyncEngineClient",)
 
-# How long shutdown() lets the worker stop cleanly, whatever drain time vLLM asks for.
+# How long shutdown() waits for the worker once the drain is over (a bound, never a wait).
 _SHUTDOWN_WAIT_SECONDS = 30.0
+
+# What a request refused or cut by a shutdown gets: vLLM's server answers 503 with it.
+_SHUTTING_DOWN = "the server is shutting down: retry this request on another instance"
 
 # The errors AsyncLLM.generate passes on unwrapped, besides EngineDeadError: the
 # client's (a bad request, an admission refusal). vLLM before 0.32 (0.26 on the GPU
@@ -47,6 +51,13 @@ _CLIENT_ERRORS: tuple[type[BaseException], ...] = tuple(
     for name in ("VLLMClientError", "GracefulHTTPError")
     if hasattr(vllm.exceptions, name)
 ) or (ValueError,)
+
+
+def _shutting_down() -> Exception:
+    # vLLM before 0.32 (0.26 on the GPU machine) has no RetryableRequestError: a 500 there.
+    retryable = getattr(vllm.exceptions, "RetryableRequestError", None)
+    error: Exception = (retryable or EngineGenerateError)(_SHUTTING_DOWN)
+    return error
 
 
 class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes are Any to mypy
@@ -126,9 +137,14 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
         Raises:
             NotImplementedError: ``prompt`` is an async generator (streaming input).
             VLLMValidationError: a ``data_parallel_rank`` other than 0.
-            EngineDeadError: the engine died (asynckv's, which is vLLM's too).
-            EngineGenerateError: any other failure, from the original error;
-                vLLM's ``VLLMClientError``s (a bad request) pass unchanged.
+            EngineDeadError: the engine died (asynckv's, which is vLLM's too);
+                its message names the cause.
+            RetryableRequestError: the engine is shutting down (vLLM's 503,
+                "the server is shutting down"), whether the request was cut
+                or refused by a drain; from the ``EngineClosedError``.
+            EngineGenerateError: any other failure, from the original error,
+                which its message names; vLLM's ``VLLMClientError``s (a bad
+                request) pass unchanged.
         """
         count = sampling_params.n
         with self._lock:
@@ -154,8 +170,12 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
             raise  # leaving the block has aborted the request
         except (VllmEngineDeadError, NotImplementedError, *_CLIENT_ERRORS):
             raise
+        except EngineClosedError as exc:
+            # A shutdown, not a failure: vLLM's serving layer answers this error
+            # with a 503 (an error event on a stream) and logs no traceback.
+            raise _shutting_down() from exc
         except Exception as exc:
-            raise EngineGenerateError() from exc
+            raise EngineGenerateError(f"{type(exc).__name__}: {exc}") from exc
         finally:
             with self._lock:
                 self._unfinished -= count
@@ -256,14 +276,17 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
         await self.engine.do_log_stats()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Close the engine: streams in flight end with ``EngineClosedError``; blocking.
+        """Close the engine, first letting admitted requests finish for ``timeout`` s; blocking.
 
-        vLLM's ``timeout`` is a drain time (0, its default, aborts at once).
-        asynckv always ends what is in flight at once, so it only bounds the
-        wait for the worker and its engine processes to stop, which is given
-        at least 30 seconds so that they stop cleanly. Any thread; idempotent.
+        ``timeout`` is vLLM's drain time (``--shutdown-timeout``, which vLLM's
+        server passes on SIGTERM): the requests already admitted go on for up
+        to that long while every new one is refused (503, "the server is
+        shutting down"); then, or at once with 0 or None (vLLM's default),
+        what is still in flight ends with that same error. The wait for the
+        worker and its engine processes after that is bounded separately (30
+        s). Any thread; idempotent.
         """
-        self.engine.shutdown(max(timeout or 0.0, _SHUTDOWN_WAIT_SECONDS))
+        self.engine.shutdown(_SHUTDOWN_WAIT_SECONDS, drain=timeout or 0.0)
 
     async def scale_elastic_ep(self, new_data_parallel_size: int, drain_timeout: int = 300) -> None:
         """Not supported: one ``LLMEngine`` has no elastic expert parallelism."""

@@ -8,8 +8,11 @@ uvicorn, shutting down on SIGTERM. The one difference is the engine client:
 
 asynckv adds three things, through vLLM's own ``--middleware`` hook:
 ``--max-pending N`` (429 with ``Retry-After`` beyond N generation requests in
-flight), ``GET /stats`` (``AsyncEngine.stats()`` as JSON), and a loopback
-default for ``--host``.
+flight), ``GET /stats`` (``AsyncEngine.stats()`` as JSON), both behind
+``--api-key`` as vLLM's ``/v1`` is, and a loopback default for ``--host``.
+On SIGTERM vLLM's server calls the client's ``shutdown`` with
+``--shutdown-timeout``: asynckv drains for that long (admitted requests
+finish, new ones get 503), then ends the rest with the same 503.
 
 Runs on the main thread's event loop (uvloop, as ``vllm serve``); the engine's
 worker thread is asynckv's.
@@ -70,6 +73,11 @@ class PendingLimit:
             await self.app(scope, receive, send)
             return
         limit = getattr(scope["app"].state.args, "max_pending", None)
+        if not _authorized(scope):
+            # vLLM's own middleware, inside this one, answers 401: an unauthorized
+            # client neither counts nor learns how busy the server is.
+            await self.app(scope, receive, send)
+            return
         if limit and self.pending >= limit:
             message = f"{self.pending} requests are pending, the most this server takes; retry"
             await _json(send, 429, _error(message, "TooManyRequests", 429), RETRY_AFTER_SECONDS)
@@ -85,8 +93,9 @@ class StatsRoute:
     """ASGI middleware that answers ``GET /stats`` with ``AsyncEngine.stats()`` as JSON.
 
     The snapshot never waits for the engine, so it answers even while a step
-    runs long. Not behind ``--api-key`` (vLLM guards ``/v1`` and a few other
-    prefixes only), like ``/metrics``.
+    runs long. Behind ``--api-key`` (or ``VLLM_API_KEY``) as vLLM's ``/v1`` is:
+    without the key, 401 with vLLM's body. (vLLM leaves ``/metrics`` and
+    ``/health`` open; ``/stats`` is asynckv's own, and guarded.)
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -94,10 +103,37 @@ class StatsRoute:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == "/stats":
+            if not _authorized(scope):
+                await _json(send, 401, {"error": "Unauthorized"})
+                return
             client = scope["app"].state.engine_client
             await _json(send, 200, client.engine.stats()._asdict())
             return
         await self.app(scope, receive, send)
+
+
+def _authorized(scope: Scope) -> bool:
+    """Whether the request carries the server's API key, checked as vLLM's middleware does.
+
+    asynckv's middleware is added after vLLM's authentication (``--middleware``),
+    so it runs first and checks for itself. True when no key is set.
+    """
+    from starlette.datastructures import Headers
+    from vllm import envs
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    state = scope["app"].state
+    if not hasattr(state, "asynckv_auth"):  # made once per app: the key can't change
+        args = state.args
+        tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
+        state.asynckv_auth = AuthenticationMiddleware(_no_app, tokens) if tokens else None
+    check: Any = state.asynckv_auth
+    return check is None or bool(check.verify_token(Headers(scope=scope)))
+
+
+async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
+    # AuthenticationMiddleware wraps an app; only its verify_token is used here.
+    raise NotImplementedError
 
 
 def _error(message: str, kind: str, code: int) -> dict[str, Any]:
