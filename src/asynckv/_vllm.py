@@ -49,12 +49,14 @@ __all__ = (
     "abort_outputs",
     "add_core_request",
     "add_request",
+    "add_stream_input",
     "client_threads",
     "copy_delta",
     "decode_more",
     "decoded_ids",
     "decoded_text",
     "detokenizers",
+    "end_stream_input",
     "engine_processes",
     "exit_status",
     "fail_utility_calls",
@@ -71,6 +73,7 @@ __all__ = (
     "resume_core_scheduler",
     "set_reasoning",
     "shutdown_core",
+    "stream_input_request",
     "tap_steps",
     "unblock_step",
     "watch_outputs",
@@ -456,6 +459,78 @@ def _text_of(prompt: Any) -> str | None:
     # The text of a rendered or typed prompt (a dict), for the outputs' ``prompt``.
     text = prompt.get("prompt") if isinstance(prompt, dict) else None
     return text if isinstance(text, str) else None
+
+
+# -- streaming input (AsyncLLM's generate with an async generator of StreamingInput) --
+#
+# On the worker thread. vLLM's engine core continues a "resumable" request with each
+# new input of the same internal id; LLMEngine.add_request takes only the first (it
+# assigns the internal id), so the later ones go to the output processor and the core
+# as AsyncLLM._add_request sends them.
+
+
+def stream_input_request(
+    engine: EngineLike,
+    request_id: str,
+    prompt: Any,
+    params: SamplingParams,
+    options: dict[str, Any],
+) -> EngineCoreRequest:
+    """The engine-core request of a streaming session's first input (resumable).
+
+    ``add_request`` then takes it as the prompt, and gives it its internal id.
+    """
+    process = {key: value for key, value in options.items() if key != "prompt_text"}
+    return process_inputs(engine, request_id, prompt, params, process | {"resumable": True})
+
+
+def _internal_id(engine: EngineLike, request_id: str) -> str | None:
+    # The internal id vLLM gave the session's request (None once it has ended).
+    ids = getattr(engine.output_processor, "external_req_ids", {}).get(request_id)
+    return ids[0] if ids else None
+
+
+def add_stream_input(
+    engine: EngineLike,
+    request_id: str,
+    prompt: Any,
+    params: SamplingParams,
+    options: dict[str, Any],
+) -> bool:
+    """Add a streaming session's next input; False if the session is not in the engine."""
+    internal = _internal_id(engine, request_id)
+    if internal is None:
+        return False
+    process = {key: value for key, value in options.items() if key != "prompt_text"}
+    request = process_inputs(engine, internal, prompt, params, process | {"resumable": True})
+    request.external_req_id = request_id
+    engine.output_processor.add_request(request, options.get("prompt_text"), None, 0)
+    engine.engine_core.add_request(request)
+    return True
+
+
+def end_stream_input(
+    engine: EngineLike, request_id: str, params: SamplingParams, options: dict[str, Any]
+) -> bool:
+    """Tell the engine a streaming session has no more input; whether it ended right here.
+
+    As ``AsyncLLM`` does, with a non-resumable request of the same id. If the
+    last input's completion is still running, it is the session's last and its
+    final output says so. If it had already finished, vLLM's output processor
+    ends the session at once and gives no output for it (``AsyncLLM``'s
+    collector gets a sentinel that ``LLMEngine`` has no place for): then this
+    returns True, and the caller ends the stream.
+    """
+    internal = _internal_id(engine, request_id)
+    if internal is None:
+        return False
+    state = engine.output_processor.request_states.get(internal)
+    process = {key: value for key, value in options.items() if key != "prompt_text"}
+    request = process_inputs(engine, internal, {"prompt_token_ids": [0]}, params, process)
+    request.external_req_id = request_id
+    engine.output_processor.add_request(request, None, None, 0)
+    engine.engine_core.add_request(request)
+    return state is not None and getattr(state, "input_chunk_queue", None) is None
 
 
 def rejected_kv_request(

@@ -129,15 +129,66 @@ async def test_engine_generate_takes_asyncllms_request_arguments(engine: AsyncEn
     assert await unfinished(engine) == 0
 
 
-async def test_unsupported_inputs_are_refused(client: AsyncEngineClient) -> None:
-    """Streaming inputs and pooling (encode) raise NotImplementedError, with the reason."""
+async def test_streaming_input(engine: AsyncEngine, client: AsyncEngineClient) -> None:
+    """A streaming input continues one request; the client ends it as AsyncLLM's generator does.
 
-    async def inputs() -> AsyncGenerator[Any, None]:
-        yield "never"
+    The second input is sent once the first one's generation is over (its last output,
+    not ``finished``). When the inputs end with nothing left to generate, LLMEngine gives
+    no output: the engine's stream ends with an empty final output, the client with none.
+    """
+    from vllm.engine.protocol import StreamingInput
 
-    with pytest.raises(NotImplementedError, match="streaming inputs"):
-        async for _ in client.generate(inputs(), _params(3), "client-stream-in"):
+    for via_client in (False, True):
+        turns = [asyncio.Event(), asyncio.Event()]  # set as each input's generation ends
+
+        async def inputs(turns: list[asyncio.Event]) -> AsyncGenerator[StreamingInput, None]:
+            yield StreamingInput(prompt="Once upon")
+            await turns[0].wait()
+            yield StreamingInput(prompt=" a time")
+            await turns[1].wait()  # the inputs end with nothing left to generate
+
+        rid = f"stream-in-{via_client}"
+        gen: Any = (
+            client.generate(inputs(turns), _params(3), rid)
+            if via_client
+            else engine.generate(inputs(turns), _params(3), rid)
+        )
+        outs = []
+        async for out in gen:
+            outs.append(out)
+            if out.outputs[0].finish_reason is not None and not out.finished:
+                turns[0 if not turns[0].is_set() else 1].set()
+        tokens = [len(o.outputs[0].token_ids) for o in outs]
+        assert sum(tokens) == 6  # three for each input
+        if via_client:
+            assert not any(o.finished for o in outs)
+        else:
+            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+            assert tokens[-1] == 0 and outs[-1].outputs[0].finish_reason == "length"
+        assert await unfinished(engine) == 0
+
+    async def ending() -> AsyncGenerator[StreamingInput, None]:
+        yield StreamingInput(prompt="Ends while generating")
+
+    outs = [o async for o in client.generate(ending(), _params(40), "stream-in-last")]
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 40
+
+    async def failing() -> AsyncGenerator[StreamingInput, None]:
+        yield StreamingInput(prompt="Then the input fails")
+        raise KeyError("lost input")
+
+    with pytest.raises(KeyError, match="lost input"):  # raised as it is, as AsyncLLM does
+        async for _ in client.generate(failing(), _params(400), "stream-in-error"):
             pass
+    with pytest.raises(VLLMValidationError, match="Input streaming"):
+        final_only = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.generate(ending(), final_only, "stream-in-final-only")
+    assert await unfinished(engine) == 0
+
+
+async def test_unsupported_inputs_are_refused(client: AsyncEngineClient) -> None:
+    """Pooling (encode) and elastic EP raise NotImplementedError, with the reason."""
     with pytest.raises(NotImplementedError, match="encode"):
         client.encode("x", None, "client-encode")
     with pytest.raises(NotImplementedError, match="elastic"):

@@ -37,6 +37,7 @@ from .._stats import EngineStats
 from .._types import PauseMode, RestartPolicy
 from .._worker._worker import Worker
 from ._asyncllm import AsyncLLMMethods, BuildRecord
+from ._inputs import StreamingInputs, checked_streaming_params, is_streaming_input
 from ._requests import RequestArgs, engine_options, pump
 from ._steps import StepStream
 from ._stream import RequestStream, _Sink
@@ -441,10 +442,58 @@ class AsyncEngine(AsyncLLMMethods):
             if stream_interval is None
             else checked_stream_interval(stream_interval)
         )
-        options = RequestArgs.from_options(kwargs).add_request_options()
+        args = RequestArgs.from_options(kwargs)
+        if is_streaming_input(prompt):
+            stream, _ = self._stream_inputs(prompt, params, rid, args, interval)
+            return stream
         sink = _Sink(loop, rid, params.output_kind, params.n, interval)
-        self._submit(Add(rid, prompt, params, options, sink))
+        self._submit(Add(rid, prompt, params, args.add_request_options(), sink))
         return RequestStream(rid, sink, self._abort_soon)
+
+    def _stream_inputs(
+        self,
+        inputs: Any,
+        params: SamplingParams,
+        request_id: str,
+        args: RequestArgs,
+        interval: float,
+    ) -> tuple[RequestStream, StreamingInputs]:
+        # A streaming input (_inputs.py): the stream, and the task that feeds it.
+        if args.reasoning_ended is not None or args.reasoning_parser_kwargs is not None:
+            raise NotImplementedError(
+                "reasoning_ended and reasoning_parser_kwargs don't go with a streaming "
+                "input (as on AsyncLLM)"
+            )
+        params = checked_streaming_params(params)
+        loop = _loops.current()
+        if _loops.running_asyncio_loop() is None:
+            raise NotImplementedError("a streaming input is read on asyncio only")
+        self._check_open()
+        if not self._worker.started:
+            raise EngineNotStartedError()
+        if (error := self._worker.inbox.error) is not None:
+            raise error  # dead: as a submit would raise
+        sink = _Sink(loop, request_id, params.output_kind, params.n, interval)
+
+        def submit(prompt: Any, first: SamplingParams, options: dict[str, Any]) -> None:
+            self._submit(Add(request_id, prompt, first, options, sink))
+
+        feeder = StreamingInputs(
+            self,
+            request_id,
+            inputs,
+            params,
+            args.add_request_options(),
+            sink,
+            submit,
+            lambda why: self._abort_soon(request_id, why),
+        )
+
+        def abandon(rid: str, why: str) -> None:
+            feeder.cancel()
+            self._abort_soon(rid, why)
+
+        return RequestStream(request_id, sink, abandon), feeder
 
     def _abort_soon(self, request_id: str, why: str) -> None:
         # Called from streams abandoned by cancel, break or GC: never raise. A request
@@ -510,7 +559,7 @@ class AsyncEngine(AsyncLLMMethods):
             reasoning_parser_kwargs=reasoning_parser_kwargs,
             kv_hints=kv_hints,
         )
-        options = await engine_options(self, prompt, args)
+        options = await engine_options(self, args)
         collector = RequestOutputCollector(params.output_kind, request_id)
         pump(self.generate(prompt, params, request_id, **options), collector)
         return collector

@@ -1,15 +1,16 @@
 """``AsyncLLM``'s request arguments, said once, on the caller's loop; what ``add_request`` takes.
 
-Runs on the caller's event loop; the one piece of work on the engine (building
-an engine request with vLLM's input processor, ``_vllm.process_inputs``) goes
-through ``run_on_engine``, so the worker thread does it between two steps.
+Runs on the caller's event loop and does no work on the engine: the checks are
+made here, at once, and what ``LLMEngine.add_request`` has no parameter for
+(the reasoning fields) is set on the engine request on the worker thread
+(``_vllm.add_request``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import vllm.exceptions
@@ -175,11 +176,7 @@ async def _pump(stream: RequestStream, collector: RequestOutputCollector) -> Non
         collector.put(exc)
 
 
-async def engine_options(
-    engine: EngineCalls,
-    prompt: Any,
-    args: RequestArgs,
-) -> dict[str, Any]:
+async def engine_options(engine: EngineCalls, args: RequestArgs) -> dict[str, Any]:
     """Turn ``AsyncLLM``'s request arguments into the options ``AsyncEngine.generate`` takes.
 
     Checks them first (``RequestArgs.checked``), on the caller's loop. Only
@@ -187,13 +184,8 @@ async def engine_options(
     reasoning fields are set on the engine request on the worker thread.
 
     Raises:
-        NotImplementedError: ``prompt`` is an async generator (streaming input).
         TypeError, VLLMValidationError: see ``RequestArgs.checked``.
     """
-    if isinstance(prompt, AsyncGenerator):
-        raise NotImplementedError(
-            "asynckv does not take streaming inputs (an async generator of prompts)"
-        )
     args = args.checked()
     if args.trace_headers and not await engine.is_tracing_enabled():
         from vllm.tracing import log_tracing_disabled_warning

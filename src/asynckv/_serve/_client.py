@@ -25,6 +25,7 @@ from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.engine.exceptions import EngineGenerateError
 
 from .._errors import EngineClosedError
+from .._loop._inputs import is_streaming_input
 from .._loop._requests import RequestArgs, engine_options
 
 if TYPE_CHECKING:
@@ -146,6 +147,21 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
                 which its message names; vLLM's ``VLLMClientError``s (a bad
                 request) pass unchanged.
         """
+        if is_streaming_input(prompt):
+            args = RequestArgs(
+                lora_request=lora_request,
+                tokenization_kwargs=tokenization_kwargs,
+                trace_headers=trace_headers,
+                priority=priority,
+                data_parallel_rank=data_parallel_rank,
+                session_id=session_id,
+                kv_hints=kv_hints,
+                reasoning_ended=reasoning_ended,
+                reasoning_parser_kwargs=reasoning_parser_kwargs,
+            )
+            async for out in self._streaming(prompt, sampling_params, request_id, args):
+                yield out
+            return
         count = sampling_params.n
         with self._lock:
             self._unfinished += count
@@ -162,7 +178,7 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
                 reasoning_ended=reasoning_ended,
                 reasoning_parser_kwargs=reasoning_parser_kwargs,
             )
-            options = await engine_options(self.engine, prompt, args)
+            options = await engine_options(self.engine, args)
             async with self.engine.generate(prompt, sampling_params, request_id, **options) as s:
                 async for out in s:
                     yield out
@@ -179,6 +195,35 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
         finally:
             with self._lock:
                 self._unfinished -= count
+
+    async def _streaming(
+        self, inputs: Any, params: SamplingParams, request_id: str, args: RequestArgs
+    ) -> AsyncGenerator[RequestOutput, None]:
+        # A streaming input (vLLM's streaming sessions, _loop/_inputs.py), with AsyncLLM's
+        # outputs and errors: the input stream's own error is raised as it is.
+        with self._lock:
+            self._unfinished += 1
+        feeder = None
+        try:
+            stream, feeder = self.engine._stream_inputs(
+                inputs, params, request_id, args.checked(), 0.0
+            )
+            async with stream:
+                async for out in stream:
+                    if out.finished and feeder.ended_quietly:
+                        break  # AsyncLLM's generator ends there, with nothing more
+                    yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except (VllmEngineDeadError, NotImplementedError, *_CLIENT_ERRORS):
+            raise
+        except Exception as exc:
+            if feeder is not None and exc is feeder.error:
+                raise
+            raise EngineGenerateError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            with self._lock:
+                self._unfinished -= 1
 
     def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         """Not supported (pooling models): raises ``NotImplementedError``.
