@@ -59,6 +59,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from types import FrameType
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -248,6 +249,7 @@ def create_app(
             yield
 
     app = FastAPI(title="asynckv completions server", lifespan=lifespan)
+    app.state.engines = backend  # for the shutdown, which closes them first (_Server)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
     app.add_exception_handler(VLLMValidationError, _on_bad_request)
     app.add_exception_handler(HTTPException, _on_http_error)
@@ -562,6 +564,8 @@ async def _events(
         if options is not None and options.include_usage:
             yield _sse({**head, "choices": [], "usage": answer.usage()})
         yield "data: [DONE]\n\n"
+    except EngineClosedError as exc:
+        yield _sse(_error_body(f"the server is shutting down ({exc})", "service_unavailable"))
     except UNAVAILABLE as exc:
         yield _sse(_error_body(str(exc), "service_unavailable"))
     except Exception as exc:
@@ -624,7 +628,33 @@ def main(argv: list[str] | None = None) -> None:
         max_pending=args.max_pending,
         restart=None if args.restart is None else RestartPolicy(max_restarts=args.restart),
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    _Server(config, app.state.engines).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM (or Ctrl-C) first closes the engines.
+
+    uvicorn stops on a signal only once every connection has closed, so a
+    stream would otherwise hold the exit until its last token. Closed first,
+    the engines end every stream at once with an error event saying the
+    server is shutting down; then the connections close and the lifespan
+    (whose close is then a no-op) ends.
+    """
+
+    def __init__(self, config: uvicorn.Config, engines: Engines) -> None:
+        super().__init__(config)
+        self.engines = engines
+        self.closing: list[asyncio.Task[None]] = []  # a task is kept until it is done
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            # A signal handler runs between two bytecodes of the loop's thread:
+            # the close is handed to the loop, which the call wakes.
+            loop = asyncio.get_running_loop()
+            close = self.engines.aclose
+            loop.call_soon_threadsafe(lambda: self.closing.append(loop.create_task(close())))
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":  # vLLM spawns engine processes: the guard is required
