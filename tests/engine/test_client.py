@@ -126,6 +126,8 @@ async def test_engine_generate_takes_asyncllms_request_arguments(engine: AsyncEn
         engine.generate("Unknown", _params(3), "gen-unknown", nonsense=1)
     with pytest.raises(TypeError, match="priority must be an int"):
         engine.generate("Typed", _params(3), "gen-typed", priority="high")
+    with pytest.raises(TypeError, match="kv_hints must be a KvHintsEnvelope"):
+        engine.generate("Hinted", _params(3), "gen-hints", kv_hints={"prefix": 1})
     assert await unfinished(engine) == 0
 
 
@@ -184,6 +186,27 @@ async def test_streaming_input(engine: AsyncEngine, client: AsyncEngineClient) -
     with pytest.raises(VLLMValidationError, match="Input streaming"):
         final_only = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
         engine.generate(ending(), final_only, "stream-in-final-only")
+    assert await unfinished(engine) == 0
+
+
+async def test_streaming_input_behind_a_pause_fails(engine: AsyncEngine) -> None:
+    """A later input can't follow a first one a pause keeps out of LLMEngine: RuntimeError.
+
+    LLMEngine.add_request takes a session's first input only; the later ones need the
+    first in the engine, which a pause parks until resume_generation().
+    """
+    from vllm.engine.protocol import StreamingInput
+
+    async def inputs() -> AsyncGenerator[StreamingInput, None]:
+        yield StreamingInput(prompt="First")
+        yield StreamingInput(prompt=" second")
+
+    await engine.pause_generation(mode="keep", clear_cache=False)
+    try:
+        with pytest.raises(RuntimeError, match="generation is paused"):
+            await engine.generate(inputs(), _params(3), "stream-in-paused")
+    finally:
+        await engine.resume_generation()
     assert await unfinished(engine) == 0
 
 

@@ -85,6 +85,10 @@ class RequestArgs:
                 raise _VALIDATION_ERROR(f"data_parallel_rank {rank} is out of range [0, 1).")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise TypeError(f"priority must be an int, not {type(self.priority).__name__}")
+        hints = self.kv_hints
+        if hints is not None and _KV_HINTS is not None and not isinstance(hints, _KV_HINTS):
+            kind = type(hints).__name__
+            raise TypeError(f"kv_hints must be a KvHintsEnvelope or None, not {kind}")
         for name, types in _TYPES:
             value = getattr(self, name)
             if value is not None and not isinstance(value, types):
@@ -141,6 +145,12 @@ _NAMED: dict[type | tuple[type, ...], str] = {
     bool: "a bool",
     LoRARequest: "a LoRARequest",
 }
+
+# vLLM's KV hints (0.32; older vLLMs have none, and no kv_hints argument either).
+try:
+    from vllm.v1.kv_hints import KvHintsEnvelope as _KV_HINTS
+except ImportError:  # pragma: no cover - vLLM before 0.32
+    _KV_HINTS = None
 
 # AsyncLLM's validation error (a 400 in vLLM's server); vLLMs without it raise ValueError.
 _VALIDATION_ERROR: type[Exception] = getattr(vllm.exceptions, "VLLMValidationError", ValueError)
