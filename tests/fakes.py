@@ -44,9 +44,12 @@ class FakeEngine:
         self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})
         self.engine_core = SimpleNamespace(shutdown=self._shutdown)
         self.shut_down = threading.Event()
+        self.shutdown_timeout: float | None = None
+        """The grace the worker gave vLLM's process manager (``engine_core.shutdown``)."""
         self.metrics: object = None  # what outputs carry as vLLM's per-request stats
 
     def _shutdown(self, timeout: float | None = None) -> None:
+        self.shutdown_timeout = timeout
         self.shut_down.set()
 
     def add_request(
