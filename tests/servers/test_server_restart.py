@@ -3,12 +3,14 @@
 A module of its own, with a server of its own (one engine, ``--restart 2``,
 float32 so that the resumed greedy tokens are those of a run without the
 kill): the shared server of tests/servers/test_server.py stays as fast as it was.
+Its last test stops the server with SIGTERM mid-stream, so it must stay last.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -124,3 +126,29 @@ async def test_models_reports_the_engines_max_model_len(
     models = (await client.get("/v1/models")).json()
     [card] = models["data"]
     assert (card["id"], card["max_model_len"]) == (server.model, 512)
+
+
+# -- SIGTERM mid-stream (stops the module's server: keep this test last) ---------------------
+
+
+async def test_sigterm_mid_stream_says_the_server_is_shutting_down(
+    client: httpx.AsyncClient, server: ServerProcess
+) -> None:
+    """SIGTERM with a stream in flight: the stream ends at once with an error event that says
+    the server is shutting down, and the server exits cleanly (the launcher checks the rest:
+    no traceback, no process left)."""
+    body = {"prompt": "Cut me short", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    events: list[dict[str, Any]] = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 1:
+                    server.process.send_signal(signal.SIGTERM)
+    assert len(events) > 1, events
+    error = events[-1]["error"]
+    assert "shutting down" in error["message"], error
+    assert error["type"] == "service_unavailable", error
+    code = await asyncio.to_thread(server.process.wait, 120)
+    assert code in (0, -signal.SIGTERM), server.log_tail()
