@@ -217,6 +217,8 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
             raise
         except (VllmEngineDeadError, NotImplementedError, *_CLIENT_ERRORS):
             raise
+        except EngineClosedError as exc:
+            raise _shutting_down() from exc  # a shutdown, as for any request (503)
         except Exception as exc:
             if feeder is not None and exc is feeder.error:
                 raise
