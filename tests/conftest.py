@@ -99,19 +99,26 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path: Path) -> Iterator[AsyncEngine]:
-    """A started engine in vLLM's default multiprocess mode, shared by the suite."""
-    started = start_engine(engine_args(model_path))
+    """A started engine in vLLM's default multiprocess mode, shared by the suite.
+
+    Compiled, as vLLM builds it by default on a CPU (on a GPU, eager), where the
+    suite's other engines run eager to start in a second (``engine_args``).
+    """
+    started = start_engine(engine_args(model_path, enforce_eager=ON_GPU))
     yield started
     started.shutdown()
 
 
 @pytest.fixture(scope="session")
 def inproc_engine(model_path: Path) -> Iterator[AsyncEngine]:
-    """An in-process engine (no engine-core process), built by hand and wrapped."""
+    """An in-process engine (no engine-core process), built by hand and wrapped.
+
+    Compiled like ``engine``, whose greedy tokens it is compared with.
+    """
     from vllm import LLMEngine
     from vllm.v1.executor import Executor
 
-    config = engine_args(model_path).create_engine_config()
+    config = engine_args(model_path, enforce_eager=ON_GPU).create_engine_config()
     llm_engine = LLMEngine(
         vllm_config=config,
         executor_class=Executor.get_class(config),

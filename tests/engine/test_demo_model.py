@@ -10,7 +10,7 @@ import pytest
 from vllm import SamplingParams
 
 from asynckv import AsyncEngine
-from asynckv.testing import demo_model
+from asynckv.testing import _training, demo_model
 from support import engine_args, start_engine
 
 CORPUS = (importlib.resources.files("asynckv") / "_data" / "corpus.txt").read_text("utf-8")
@@ -24,8 +24,15 @@ def demo_engine() -> Iterator[AsyncEngine]:
     started.shutdown()
 
 
-def test_build_is_deterministic_and_cached(tmp_path: Path) -> None:
-    """Two builds in clean cache folders write identical files; a third call reuses the first."""
+def test_build_is_deterministic_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two builds in clean cache folders write identical files; a third call reuses the first.
+
+    On a recipe of 3 training steps, not 300: the same code, seeds and kernels
+    (a nondeterministic one shows in any step), where two full trainings cost
+    minutes of CI. The step count is part of the recipe, so these builds get a
+    folder name of their own.
+    """
+    monkeypatch.setitem(_training._TRAINING, "steps", 3)
     first = demo_model(tmp_path / "a")
     second = demo_model(tmp_path / "b")
     assert first.name == second.name
