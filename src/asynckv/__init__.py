@@ -20,7 +20,7 @@ from ._loop._stream import RequestMetrics, RequestStream
 from ._pool._pool import AsyncEnginePool
 from ._serve._client import AsyncEngineClient
 from ._stats import EngineStats, StepRecord
-from ._types import RestartPolicy
+from ._types import Drained, RestartPolicy
 
 __all__ = (
     "AsyncEngine",
@@ -28,6 +28,7 @@ __all__ = (
     "AsyncEngineClient",
     "AsyncEnginePool",
     "AsyncKVError",
+    "Drained",
     "EngineClosedError",
     "EngineDeadError",
     "EngineHeldError",

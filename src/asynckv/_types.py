@@ -1,4 +1,4 @@
-"""The public value types, made and read on any thread: ``PauseMode`` and ``RestartPolicy``.
+"""The public value types, made and read on any thread: PauseMode, RestartPolicy, Drained.
 
 Runs nowhere: a type alias and a frozen value, made on any thread and read
 on any. At the bottom of the package: every room imports them, they import
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ("PauseMode", "RestartPolicy")
+__all__ = ("Drained", "PauseMode", "RestartPolicy")
 
 PauseMode = Literal["abort", "wait", "keep"]
 """What ``pause_generation`` does with the requests in flight (``AsyncLLM``'s modes)."""
@@ -41,3 +41,21 @@ class RestartPolicy:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not self.window > 0:
             raise ValueError(f"window must be > 0 seconds, got {self.window}")
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """What ``AsyncEnginePool.drain`` did: the requests it moved, and those that stayed.
+
+    Request ids (the pool's, or an engine's own for requests submitted to
+    the member directly) that were unfinished on the member when the drain
+    reached it, between two of its steps.
+    """
+
+    index: int
+    """The member drained (its index in ``pool.engines``)."""
+    moved: tuple[str, ...]
+    """Handed to live members (``handoff=True``), to continue there from their last token."""
+    stayed: tuple[str, ...]
+    """Left to finish on the member (all of them with ``handoff=False``; with it, those no
+    live member could take). Each had ended when the drain returned."""

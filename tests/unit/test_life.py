@@ -13,6 +13,7 @@ from asynckv._worker._life import (
     GiveUp,
     New,
     Rebuild,
+    Rebuilding,
     Restarting,
     Running,
     Starting,
@@ -22,6 +23,8 @@ from asynckv._worker._life import (
     die,
     died,
     error_of,
+    planned,
+    restarting,
     running,
     start,
 )
@@ -152,3 +155,17 @@ def test_transitions_keep_their_invariants(
             assert dead_error_of(state) is dead_error_of(before)
         assert ends <= 1
         assert deaths.restarts <= len(deaths.causes)
+
+
+def test_a_planned_restart_is_rebuilding_not_a_death() -> None:
+    """Running -> Rebuilding -> Running; refused in any other state; no death is recorded."""
+    state, allowed = planned(Running())
+    assert (state, allowed) == (Rebuilding(), True)
+    assert restarting(state) and error_of(state) is None and dead_error_of(state) is None
+    assert running(state) == Running()
+    for other in (New(), Starting(), Restarting(OSError()), Rebuilding(), Dead(OSError())):
+        assert planned(other) == (other, False)
+    # A death while rebuilding is a death like any other (the policy counts it).
+    after, action = died(Rebuilding(), Deaths(POLICY), OSError("x"), 0.0)
+    assert isinstance(after, Restarting) and isinstance(action, Rebuild)
+    assert close(Rebuilding(), EngineClosedError())[1]

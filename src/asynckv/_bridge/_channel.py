@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
 
+    from .._vllm import EngineLike
     from ._loops import Future, Loop
 
 __all__ = (
@@ -47,6 +48,7 @@ __all__ = (
     "Release",
     "Reply",
     "Reset",
+    "Restart",
     "Resume",
     "Sink",
     "fail_all",
@@ -347,7 +349,26 @@ class Reset:
         self.reply.fail(outbox, error)
 
 
+@dataclass(eq=False)
+class Restart:
+    """Rebuild the engine on request and resume its unfinished requests there.
+
+    Applied by the worker itself, not the applier: the commands queued after
+    it are applied on the new engine. ``reply`` is answered once the new
+    engine is served.
+    """
+
+    build: Callable[[], EngineLike] | None
+    """Builds the new engine from other arguments, and every later rebuild too (None: the
+    engine's own rebuild)."""
+    reply: Reply
+
+    def fail(self, outbox: Outbox, error: BaseException) -> None:
+        self.reply.fail(outbox, error)
+
+
 Command = Add | Abort | Call | Hold | Release | Pause | Reset | Resume
+"""What the loops' calls put in the inbox (``Restart`` too, which the worker applies itself)."""
 
 
 def fail_all(commands: list[Command], error: BaseException) -> None:

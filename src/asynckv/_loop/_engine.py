@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
+import dataclasses
 import math
 import time
 import uuid
@@ -25,7 +25,18 @@ from vllm.sampling_params import SamplingParams
 from vllm.usage.usage_lib import UsageContext
 
 from .._bridge import _loops
-from .._bridge._channel import Abort, Add, Call, Hold, Pause, Release, Reply, Reset, Resume
+from .._bridge._channel import (
+    Abort,
+    Add,
+    Call,
+    Hold,
+    Pause,
+    Release,
+    Reply,
+    Reset,
+    Restart,
+    Resume,
+)
 from .._errors import (
     EngineClosedError,
     EngineDeadError,
@@ -146,6 +157,7 @@ class AsyncEngine(AsyncLLMMethods):
         self._closed = False
         self._fault_refused: tuple[str, str] | None = None
         self._stream_interval = checked_stream_interval(stream_interval)
+        self._args: _Rebuildable | None = None
         self._worker.start(None)
 
     @classmethod
@@ -174,15 +186,10 @@ class AsyncEngine(AsyncLLMMethods):
         stopped, within the policy's limits (``RestartPolicy``;
         docs/reliability.md, "Restart and resume").
         """
-        from vllm import LLMEngine
-
-        build = functools.partial(
-            LLMEngine.from_engine_args,
-            engine_args,
-            usage_context=usage_context,
-            stat_loggers=stat_loggers,
-        )
-        return cls._unstarted(build, freeze_gc, stream_interval, restart, keep_off_model_cores)
+        args = _Rebuildable(engine_args, usage_context, stat_loggers)
+        self = cls._unstarted(args.build, freeze_gc, stream_interval, restart, keep_off_model_cores)
+        self._args = args
+        return self
 
     @classmethod
     def from_vllm_config(
@@ -263,6 +270,7 @@ class AsyncEngine(AsyncLLMMethods):
         self._closed = False
         self._fault_refused = None
         self._stream_interval = checked_stream_interval(stream_interval)
+        self._args = None
         return self
 
     @property
@@ -333,6 +341,61 @@ class AsyncEngine(AsyncLLMMethods):
             return
         self._closed = True
         self._worker.close(30.0 if timeout is None else timeout, checked_drain(drain))
+
+    async def restart(self, **overrides: Any) -> None:
+        """Rebuild the engine on purpose and resume every unfinished request on the new one.
+
+        A planned restart, for a configuration change or a fresh engine: the
+        worker applies it between two steps, in FIFO order with every other
+        command. It reads each unfinished request's state, shuts the engine
+        down, builds a new one from the same arguments, or from them with
+        ``overrides`` (``EngineArgs`` fields, kept for every later rebuild),
+        and re-adds each request as its continuation from its last token,
+        exactly as the ``RestartPolicy`` resumes them after a death (the same
+        splice; greedy requests continue with the tokens they would have had
+        where the computation is deterministic). Callers see a pause, not an
+        error: their streams stop while the engine is rebuilt, then go on
+        (``RequestStream.metrics.restarts`` counts it); a request whose
+        parameters can't be resumed ends with ``RequestNotResumedError``
+        (docs/reliability.md). Requests and commands sent meanwhile wait in
+        the inbox and reach the new engine. It is not a death: the policy
+        doesn't count it, but ``stats().restarts`` does, and ``restarting``
+        is true (``check_health`` raises ``EngineRestartingError``) until
+        the new engine serves.
+
+        Returns once the new engine serves and the requests are re-added.
+        Cancelling the wait doesn't stop the restart. A rebuild that fails
+        ends the engine as a failed restart after a death does: every stream
+        and this call get ``EngineDeadError``.
+
+        Needs a ``RestartPolicy`` (``restart=`` when the engine is made): only
+        then do requests keep the state they resume from.
+        ``RestartPolicy(max_restarts=0)`` keeps every death final.
+
+        Raises:
+            ValueError: the engine has no ``RestartPolicy``.
+            TypeError: ``overrides`` given for an engine not made by
+                ``from_engine_args``, or one that is no ``EngineArgs`` field.
+            EngineClosedError, EngineNotStartedError, EngineDeadError: at once.
+        """
+        self._check_open()
+        if not self._worker.started:
+            raise EngineNotStartedError()
+        if not self._worker.resumable:
+            raise ValueError(
+                "restart() needs a RestartPolicy (restart= when the engine is made): "
+                "without one, requests keep no state to resume from"
+            )
+        build: Callable[[], EngineLike] | None = None
+        if overrides:
+            if self._args is None:
+                raise TypeError(
+                    "restart(**overrides) needs an engine made by from_engine_args: "
+                    "this one has no EngineArgs to override"
+                )
+            self._args = self._args.replaced(overrides)
+            build = self._args.build
+        await self._ask(lambda reply: Restart(build, reply))
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -705,7 +768,8 @@ class AsyncEngine(AsyncLLMMethods):
             EngineDeadError: the engine died (with a ``RestartPolicy``: beyond
                 it), that is ``errored`` is true; vLLM's ``EngineDeadError`` too.
             EngineRestartingError: a dead engine is being rebuilt (its
-                ``RestartPolicy``): degraded, not dead; requests wait and resume.
+                ``RestartPolicy``), or a planned ``restart()`` rebuilds it:
+                degraded, not dead; requests wait and resume.
             EngineStalledError: a ``step()`` has been running for longer than
                 ``stall_timeout`` seconds, or requests are unfinished, nothing
                 holds the engine (``paused()``, a "keep" pause) and no step has
@@ -717,7 +781,7 @@ class AsyncEngine(AsyncLLMMethods):
         snap = self._worker.health()
         if (error := snap.dead_error) is not None:  # it died since errored was read
             raise error
-        if snap.restart_cause is not None:
+        if snap.restarting:
             raise EngineRestartingError(snap.restart_cause)
         if stall_timeout is None:
             return
@@ -805,11 +869,14 @@ class AsyncEngine(AsyncLLMMethods):
         if snap.restart_cause is not None:
             fault = type(snap.restart_cause).__name__
             return {"id": 0, "status": "unhealthy", "fault_info": fault}
+        if snap.restarting:  # a planned restart: no fault to name
+            return {"id": 0, "status": "unhealthy"}
         return {"id": 0, "status": "healthy"}
 
     @property
     def restarting(self) -> bool:
-        """Whether a dead engine is being rebuilt now (``RestartPolicy``): degraded, not dead."""
+        """Whether the engine is being rebuilt now: after a death (``RestartPolicy``) or a
+        planned ``restart()``; degraded, not dead."""
         return self._worker.restarting
 
     @property
@@ -822,6 +889,31 @@ class AsyncEngine(AsyncLLMMethods):
         """The ``EngineDeadError`` that later calls raise (a generic one if not dead)."""
         error = self._worker.dead_error
         return error or EngineDeadError(RuntimeError("the engine is alive"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rebuildable:
+    """What ``from_engine_args`` builds from, so that ``restart(**overrides)`` can change it."""
+
+    args: EngineArgs
+    usage_context: UsageContext
+    stat_loggers: list[StatLoggerFactory] | None
+
+    def build(self) -> LLMEngine:
+        """Build the engine (on the worker thread)."""
+        from vllm import LLMEngine
+
+        return LLMEngine.from_engine_args(
+            self.args, usage_context=self.usage_context, stat_loggers=self.stat_loggers
+        )
+
+    def replaced(self, overrides: Mapping[str, Any]) -> _Rebuildable:
+        """These arguments with ``overrides``; TypeError names a field ``EngineArgs`` lacks."""
+        fields = {f.name for f in dataclasses.fields(self.args)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"restart() got engine arguments EngineArgs doesn't have: {unknown}")
+        return dataclasses.replace(self, args=dataclasses.replace(self.args, **overrides))
 
 
 # -- argument checks ------------------------------------------------------------------

@@ -101,6 +101,9 @@ class Router:
         # still aborts its request (the stream's own guarantee).
         self._streams: list[dict[str, weakref.ref[RequestStream]]] = [{} for _ in engines]
         self._cursor = 0
+        self.draining: frozenset[int] = frozenset()
+        """The members being drained (``pool.drain``): no request is routed to them.
+        Replaced whole, under the pool's lock."""
 
     def track(
         self, index: int, request_id: str, stream: RequestStream, keys: Sequence[int]
@@ -141,9 +144,12 @@ class Router:
         """The engine for a request with these prefix keys (None if every one is dead).
 
         ``refused``: engines that refused it since (they died or were closed).
+        A member being drained is never chosen.
         """
         live = [
-            i for i, engine in enumerate(self._engines) if i not in refused and not engine.errored
+            i
+            for i, engine in enumerate(self._engines)
+            if i not in refused and i not in self.draining and not engine.errored
         ]
         # An engine being rebuilt (its RestartPolicy) takes requests only if no other can:
         # they would wait for the rebuild.

@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._bridge._channel import Reply
 from .._errors import EngineClosedError, EngineDeadError
 from .._loop._engine import (
     AsyncEngine,
@@ -31,7 +32,8 @@ from .._loop._engine import (
     checked_sampling_params,
 )
 from .._stats import EngineStats
-from .._types import RestartPolicy
+from .._types import Drained, RestartPolicy
+from .._worker._handoff import Vacate
 from . import _failover
 from ._affinity import PrefixIndex, Router
 from ._gather import gather, settle
@@ -76,6 +78,13 @@ class AsyncEnginePool:
     stream's own abort follow it there), then restarts in the background; it
     takes no new request while it rebuilds, if another can serve, and rejoins
     once it is up. With no live member to take them, they resume on it.
+
+    **Draining and rolling.** ``drain(i)`` stops routing to member ``i``
+    and, with ``handoff``, moves its unfinished requests to the live members,
+    where each continues from its last token as after a failover;
+    ``readmit(i)`` routes to it again; ``rolling(fn)`` does both around
+    ``fn(engine)`` for each member in turn (a restart, a weight update), so
+    the pool keeps serving throughout.
 
     The pool owns its engines: ``start()`` starts them all, ``aclose()`` closes
     them all. Build one with ``AsyncEnginePool.from_engine_args([...])`` or
@@ -221,6 +230,9 @@ class AsyncEnginePool:
             while True:
                 index = self._router.choose(keys, refused)
                 if index is None:
+                    if any(not self._engines[i].errored for i in self._router.draining):
+                        # Every live member is being drained: as a draining engine does.
+                        raise EngineClosedError(draining=True)
                     raise self._all_dead()
                 try:
                     stream = self._engines[index].generate(prompt, sampling_params, rid, **kwargs)
@@ -268,6 +280,165 @@ class AsyncEnginePool:
         """
         with self._lock:
             return self._router.owner(request_id)
+
+    # -- draining and rolling --------------------------------------------------------
+
+    async def drain(
+        self, index: int, *, handoff: bool = True, timeout: float | None = None
+    ) -> Drained:
+        """Stop routing new requests to member ``index`` and wait until it has none in flight.
+
+        The pool routes no new request to the member from the moment this is
+        called, until ``readmit(index)``. With ``handoff`` (the default), the
+        member's worker, between two of its steps, takes every unfinished
+        request out of its engine and hands it to the least loaded live
+        member, as a failover does: the request continues there from its
+        last token (the same splice; greedy requests get the tokens they
+        would have had where the members compute alike), its stream goes on
+        with nothing but a pause (``RequestStream.metrics.restarts`` counts
+        the move), ``pool.abort`` and the stream's own abort follow it, and
+        one whose parameters can't be resumed ends with
+        ``RequestNotResumedError``. It continues under the weights of the
+        member it moved to. Without ``handoff`` the requests finish where
+        they are. Requests queued to the member before the call are handed
+        over (or finish) like the others; what no live member can take
+        finishes in place.
+
+        Returns, once the member has nothing in flight, a ``Drained`` record
+        of what moved and what stayed. The member serves on (requests given
+        to it directly are served); only the pool's routing skips it. A dead
+        member has nothing in flight: its record is empty.
+
+        If the wait times out or is cancelled, the member is readmitted
+        before the error propagates (what moved stays where it went).
+
+        Raises:
+            IndexError: no member ``index``.
+            ValueError: the member is being drained already; or, with
+                ``handoff``, no other live member is there to take the
+                requests, or the members have no ``RestartPolicy`` (without
+                one requests keep no state to resume from).
+            TimeoutError: ``timeout`` seconds passed first.
+            EngineClosedError: the pool was closed.
+        """
+        index = self._checked_index(index)
+        self._check_open()
+        engine = self._engines[index]
+        with self._lock:
+            if index in self._router.draining:
+                raise ValueError(f"member {index} is being drained already: readmit it first")
+            if handoff:
+                self._check_handoff(index)
+            self._router.draining |= {index}
+        try:
+            with anyio.fail_after(timeout):
+                reply = Reply.here()
+                try:
+                    engine._submit(Vacate(handoff, reply))
+                except (EngineDeadError, EngineClosedError):
+                    return Drained(index, (), ())  # ended: its streams ended with it
+                try:
+                    moved, stayed = await reply.future
+                except (EngineDeadError, EngineClosedError):
+                    return Drained(index, (), ())
+        except BaseException:
+            self.readmit(index)
+            raise
+        return Drained(index, moved, stayed)
+
+    def _check_handoff(self, index: int) -> None:
+        # With the pool's lock held: a drain with handoff that could never hand over fails now.
+        if not all(engine._worker.resumable for engine in self._engines):
+            raise ValueError(
+                "handoff needs a RestartPolicy on the members (restart= when they are made): "
+                "without one requests keep no state to resume from; drain with handoff=False"
+            )
+        others = [
+            i
+            for i, engine in enumerate(self._engines)
+            if i != index and i not in self._router.draining and not engine.errored
+        ]
+        if not others:
+            raise ValueError(
+                f"member {index} has no live member to hand its requests to: "
+                "drain it with handoff=False"
+            )
+
+    def readmit(self, index: int) -> None:
+        """Route new requests to member ``index`` again (after ``drain``); any thread.
+
+        A no-op for a member that isn't drained. A drain still waiting
+        returns once the member has nothing in flight, as before.
+
+        Raises:
+            IndexError: no member ``index``.
+        """
+        index = self._checked_index(index)
+        with self._lock:
+            self._router.draining -= {index}
+
+    @contextlib.asynccontextmanager
+    async def draining(
+        self, index: int, *, handoff: bool = True, timeout: float | None = None
+    ) -> AsyncIterator[Drained]:
+        """``drain(index, ...)`` on entry, ``readmit(index)`` on exit, whatever the exit.
+
+        ``async with pool.draining(0) as drained:`` runs the block once
+        member 0 has nothing in flight; raises as ``drain``.
+        """
+        drained = await self.drain(index, handoff=handoff, timeout=timeout)
+        try:
+            yield drained
+        finally:
+            self.readmit(index)
+
+    async def rolling(
+        self, fn: Callable[[AsyncEngine], Awaitable[object]], *, handoff: bool = True
+    ) -> list[Drained]:
+        """For each member in turn: drain it, ``await fn(engine)``, readmit it.
+
+        The pool keeps serving throughout: while one member is drained, the
+        others take its requests (``handoff``) and every new one. ``fn`` may
+        do anything to the drained member: ``engine.restart()`` (a rebuild,
+        with new arguments or not), a weight update through
+        ``collective_rpc`` or ``run_on_engine``, a cache reset. A request
+        handed over continues under the weights of the member it moved to,
+        so during a weight update one request may be computed under two sets
+        of weights; with ``handoff=False`` each request finishes on the
+        member that began it, under one set (the drain then waits for the
+        member's requests to end). Dead members are skipped.
+
+        Returns each member's ``Drained`` record, in order. If ``fn`` or a
+        drain raises, the member is readmitted, the roll stops there and the
+        error propagates; the members rolled so far stay as ``fn`` left them.
+
+        Raises:
+            ValueError: with ``handoff``, a pool of one member, or members
+                without a ``RestartPolicy`` (checked before anything is drained);
+                and as ``drain``.
+            EngineClosedError: the pool was closed.
+        """
+        self._check_open()
+        if handoff:
+            with self._lock:
+                self._check_handoff(-1)
+                if len(self._engines) < 2:
+                    raise ValueError("a rolling hand-over needs two members: use handoff=False")
+        records = []
+        for index, engine in enumerate(self._engines):
+            if engine.errored:
+                continue
+            async with self.draining(index, handoff=handoff) as drained:
+                await fn(engine)
+            records.append(drained)
+        return records
+
+    def _checked_index(self, index: object) -> int:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"a member index is an int, not {type(index).__name__}")
+        if not 0 <= index < len(self._engines):
+            raise IndexError(f"the pool has no member {index} (it has {len(self._engines)})")
+        return index
 
     # -- controls ------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from .._bridge._channel import (
     Abort,
     Add,
     Call,
+    Command,
     Hold,
     Outbox,
     Pause,
@@ -69,7 +70,8 @@ class Applier:
         self.faulted = faulted
         """Whether the watchdog saw the engine die (then a failing call is the death's)."""
 
-    def apply(self, engine: EngineLike, command: Order, outbox: Outbox) -> None:
+    def apply(self, engine: EngineLike, command: Command | Adopt, outbox: Outbox) -> None:
+        # Restart and Vacate are the worker's own (they change what it serves).
         match command:
             case Add():
                 if self.registry.draining:

@@ -27,6 +27,8 @@ class Health(NamedTuple):
     """The ``EngineDeadError`` if the engine died, even once closed after."""
     restart_cause: BaseException | None
     """While a dead engine is being rebuilt, the death that began it."""
+    restarting: bool
+    """Whether the engine is being rebuilt, after a death or on request."""
     in_step_since: float | None
     """When the ``step()`` now running began (``perf_counter``)."""
     last_step_end: float | None

@@ -10,6 +10,7 @@ worker thread alone. The tests drive all of it with made-up clocks
 The states::
 
     New -> Starting -> Running <-> Restarting    (Restarting only with a RestartPolicy)
+    Running <-> Rebuilding                       (a planned restart: ``engine.restart()``)
     any but Closed -> Dead -> Closed             (a death, then a close)
     any but Closed -> Closed                     (a close)
 
@@ -29,6 +30,7 @@ __all__ = (
     "GiveUp",
     "New",
     "Rebuild",
+    "Rebuilding",
     "Restarting",
     "Running",
     "Starting",
@@ -36,6 +38,8 @@ __all__ = (
     "close",
     "die",
     "died",
+    "planned",
+    "restarting",
     "running",
     "start",
 )
@@ -65,6 +69,14 @@ class Restarting:
 
 
 @dataclass(frozen=True, slots=True)
+class Rebuilding:
+    """A planned restart (``engine.restart()``): the engine is rebuilt, not dead.
+
+    Not a death: the ``RestartPolicy`` doesn't count it.
+    """
+
+
+@dataclass(frozen=True, slots=True)
 class Dead:
     """The engine died for good: every later call raises ``error``."""
 
@@ -82,7 +94,7 @@ class Closed:
     """The ``EngineDeadError`` if it died before it was closed."""
 
 
-State = New | Starting | Running | Restarting | Dead | Closed
+State = New | Starting | Running | Restarting | Rebuilding | Dead | Closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +166,24 @@ def start(state: State) -> State:
 
 
 def running(state: State) -> State:
-    """An engine is served: Starting or Restarting -> Running; any other state stays."""
-    return Running() if isinstance(state, Starting | Restarting) else state
+    """An engine is served: Starting, Restarting or Rebuilding -> Running; any other stays."""
+    return Running() if isinstance(state, Starting | Restarting | Rebuilding) else state
+
+
+def planned(state: State) -> tuple[State, bool]:
+    """A planned restart: Running -> Rebuilding, and whether it may go ahead.
+
+    Only a running engine is rebuilt on request; in any other state the state
+    stays and the answer is False (the worker then refuses the restart).
+    """
+    if isinstance(state, Running):
+        return Rebuilding(), True
+    return state, False
+
+
+def restarting(state: State) -> bool:
+    """Whether an engine is being rebuilt, after a death or on request."""
+    return isinstance(state, Restarting | Rebuilding)
 
 
 def died(

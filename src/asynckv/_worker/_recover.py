@@ -26,10 +26,10 @@ from ._life import Deaths, GiveUp, Rebuild
 
 if TYPE_CHECKING:
     from ._counters import Counters
-    from ._registry import Registry
+    from ._registry import Registry, Route
     from ._resume import Decoded
 
-__all__ = ("ClosedMeanwhile", "GaveUp", "Rebuilt", "Recovery")
+__all__ = ("ClosedMeanwhile", "GaveUp", "Rebuilt", "Recovery", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +87,29 @@ class Recovery:
         )
         return action
 
+    def planned(self, build: Callable[[], EngineLike] | None) -> bool:
+        """A planned restart: the registry is ``Rebuilding``; False if not running.
+
+        Not a death: the policy's count is left alone. ``build``, if given,
+        builds this engine from now on (the restart's overrides).
+        """
+        if not self._registry.planned():
+            return False
+        self._down = time.monotonic()
+        if build is not None:
+            self._rebuild = build
+        emit(logging.INFO, "engine restarting", requests=len(self._registry.routes))
+        return True
+
     def decoded(self, engine: EngineLike) -> Decoded:
-        """The dead engine's detokenizers of each request (taken before its shutdown)."""
-        decoded: Decoded = {}
-        for request_id, route in list(self._registry.routes.items()):
-            for engine_id in route.engine_ids(request_id):
-                decoded[engine_id] = detokenizers(engine, engine_id)
-        return decoded
+        """The engine's detokenizers of each request (taken before its shutdown)."""
+        return decode(engine, list(self._registry.routes.items()))
 
     def rebuilt(self, decoded: Decoded) -> Rebuilt | GaveUp | ClosedMeanwhile:
         """Build the engine again and re-add every unfinished request.
 
-        The registry stays ``Restarting`` until the worker serves the new engine.
+        The registry stays ``Restarting`` (``Rebuilding``) until the worker
+        serves the new engine.
         """
         cause = self._registry.restart_cause
         try:
@@ -132,15 +143,24 @@ class Recovery:
             return GaveUp((*self.deaths.causes, exc))
         self._counters.restarts += 1
         emit(
-            logging.WARNING,
+            logging.WARNING if cause is not None else logging.INFO,
             "engine restarted",
-            cause=_name(cause),
+            cause=_name(cause) or "planned",
             downtime=round(time.monotonic() - self._down, 3),
             requests_resumed=resumed,
             restarts=self._counters.restarts,
         )
         outbox.flush()
         return Rebuilt(engine)
+
+
+def decode(engine: EngineLike, routes: list[tuple[str, Route]]) -> Decoded:
+    """The engine's detokenizers of these requests' engine requests (read before they go)."""
+    decoded: Decoded = {}
+    for request_id, route in routes:
+        for engine_id in route.engine_ids(request_id):
+            decoded[engine_id] = detokenizers(engine, engine_id)
+    return decoded
 
 
 def _name(cause: BaseException | None) -> str:

@@ -111,6 +111,9 @@ class Registry:
         """Engine ids of resumed completions (``n > 1``) -> their request's route."""
         self.stopped: list[str] = []
         """Engine requests ended by a stop string across a resume's join (to abort)."""
+        self.idle: list[tuple[Reply, Any]] = []
+        """Replies to answer (with their value) once nothing is in flight: a pool's drain
+        (worker thread; ``end`` fails them)."""
         self.draining = False
         """Set once by ``Worker.close`` with a drain (the closing thread); read by the
         worker as it applies an ``Add``, which it then refuses. One word: no lock."""
@@ -129,6 +132,11 @@ class Registry:
     def ended(self) -> bool:
         """Whether the engine is dead or closed."""
         return isinstance(self.state, Dead | Closed)
+
+    @property
+    def restarting(self) -> bool:
+        """Whether the engine is being rebuilt, after a death or on request."""
+        return _life.restarting(self.state)
 
     @property
     def restart_cause(self) -> BaseException | None:
@@ -151,6 +159,17 @@ class Registry:
         with self._lock:
             self.state, action = _life.died(self.state, deaths, cause, now)
             return action
+
+    def planned(self) -> bool:
+        """A planned restart: move to ``Rebuilding``; False if not running (worker)."""
+        with self._lock:
+            self.state, allowed = _life.planned(self.state)
+            return allowed
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether any request is admitted or parked (one read each, no lock)."""
+        return bool(self.routes) or bool(self.control.parked)
 
     def set_core(self, core: bool) -> None:
         """Record, once the engine is built, whether it has an engine-core process."""
@@ -270,6 +289,8 @@ class Registry:
                 return Ended(error, [], [], [])
             commands = list(self._inbox.close(error))
             parked, replies = self.control.waiting()
+            replies = [*replies, *(reply for reply, _ in self.idle)]
+            self.idle = []
             sinks = [route.sink for route in self.routes.values()]
             sinks += [add.sink for add in parked]
             self.routes = {}

@@ -12,6 +12,14 @@ Admission, holds and pauses are the pure state machine of ``_control.py``;
 what waits for an answer lives in the ``Registry``, whose lock ``die`` and
 ``close`` take from other threads.
 
+A planned restart (a ``Restart`` command, ``engine.restart()``) takes the
+same path without a death: the worker stops at that command between two
+steps, reads each request's resume state, shuts the engine down, rebuilds it
+(from the same arguments or new ones) and resumes the requests, applying the
+commands queued after the ``Restart`` on the new engine. A pool's ``Vacate``
+(a drain) is applied here too: the requests are taken out of the engine and
+handed to the other members (``handoff``), as a dying member's are.
+
 With a ``RestartPolicy`` a death doesn't end the streams: the worker keeps
 the inbox open (commands wait there), rebuilds the engine, re-adds every
 unfinished request as its continuation (``_resume.py``), and serves again;
@@ -50,7 +58,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._bridge._channel import Inbox, Outbox, Reply
+from .._bridge._channel import Inbox, Outbox, Reply, Restart
 from .._bridge._loops import Loop
 from .._errors import EngineClosedError, EngineDeadError
 from .._log import emit
@@ -60,10 +68,10 @@ from .._vllm import EngineLike, has_core_process, shutdown_core
 from . import _watchdog
 from ._apply import Applier
 from ._counters import Counters, Health
-from ._handoff import Handoff, Order
+from ._handoff import Handoff, Order, Vacate
 from ._life import GiveUp
 from ._placement import Placement
-from ._recover import ClosedMeanwhile, GaveUp, Rebuilt, Recovery
+from ._recover import ClosedMeanwhile, GaveUp, Rebuilt, Recovery, decode
 from ._registry import Registry
 from ._resume import Decoded
 from ._run import EngineRun
@@ -128,8 +136,13 @@ class Worker:
 
     @property
     def restarting(self) -> bool:
-        """Whether a dead engine is being rebuilt now."""
-        return self.registry.restart_cause is not None
+        """Whether the engine is being rebuilt now, after a death or on request."""
+        return self.registry.restarting
+
+    @property
+    def resumable(self) -> bool:
+        """Whether requests keep their resume state (a ``RestartPolicy`` is set)."""
+        return self._recovery is not None
 
     @property
     def draining(self) -> bool:
@@ -173,6 +186,7 @@ class Worker:
         return Health(
             dead_error=registry.dead_error,
             restart_cause=registry.restart_cause,
+            restarting=registry.restarting,
             in_step_since=counters.in_step_since,
             last_step_end=counters.last_step_end,
             busy_since=counters.busy_since,
@@ -271,20 +285,32 @@ class Worker:
             outbox.flush()
             return
         run = EngineRun(engine, 0, self.inbox.nudge)
+        answer: Reply | None = None  # a planned restart's, answered once the new engine serves
         while True:
+            planned: Restart | None = None
+            decoded: Decoded | None = None
+            refused = False  # a planned restart refused: serve on, same engine
             try:
-                self._serve(run, outbox, began)
-                return
+                planned = self._serve(run, outbox, began, answer)
+                if planned is None:
+                    return
+                decoded = self._planned(run, planned, outbox)
+                refused = decoded is None and not self.registry.ended
             except BaseException as exc:  # step() or the engine broke: the engine is dead
                 cause = run.fault or exc
                 decoded = self._died(run, cause)
             finally:
-                run.left.set()
-                shutdown_core(run.engine, 0.0)
-                # The next engine's processes are started from this thread: all CPUs.
-                self.placement.release()
+                if not refused:
+                    run.left.set()
+                    shutdown_core(run.engine, 0.0)
+                    # The next engine's processes are started from this thread: all CPUs.
+                    self.placement.release()
+            if refused:
+                answer = None
+                continue
+            answer = None if planned is None else planned.reply
             if decoded is None:
-                self._fail_carried(run, outbox)
+                self._fail_carried(run, outbox, answer)
                 return
             assert self._recovery is not None  # no decoded without one
             match self._recovery.rebuilt(decoded):
@@ -292,18 +318,36 @@ class Worker:
                     run = EngineRun(rebuilt, run.generation + 1, self.inbox.nudge, run.carry)
                 case GaveUp(causes):
                     self.die(causes[-1], causes)
-                    self._fail_carried(run, outbox)
+                    self._fail_carried(run, outbox, answer)
                     return
                 case ClosedMeanwhile():
-                    self._fail_carried(run, outbox)
+                    self._fail_carried(run, outbox, answer)
                     return
 
-    def _fail_carried(self, run: EngineRun, outbox: Outbox) -> None:
+    def _fail_carried(self, run: EngineRun, outbox: Outbox, answer: Reply | None) -> None:
         # No new engine will come: the commands kept to apply again there fail now.
         error = self.registry.error or EngineDeadError(RuntimeError("ended"))
+        if answer is not None:
+            answer.fail(outbox, error)
         while run.carry:
             run.carry.popleft().fail(outbox, error)
         outbox.flush()
+
+    def _planned(self, run: EngineRun, restart: Restart, outbox: Outbox) -> Decoded | None:
+        """A planned restart: say what the engine decoded to rebuild (before its shutdown).
+
+        None if the lifecycle refuses it (the engine is not running): then
+        ``restart``'s caller gets the error and the engine serves on.
+        """
+        recovery = self._recovery
+        if recovery is None or not recovery.planned(restart.build):
+            error = self.registry.error or RuntimeError(
+                "the engine can't be restarted: it has no RestartPolicy"
+            )
+            restart.reply.fail(outbox, error)
+            outbox.flush()
+            return None
+        return recovery.decoded(run.engine)
 
     def _died(self, run: EngineRun, cause: BaseException) -> Decoded | None:
         """The engine died: die, or say what it decoded to rebuild (before its shutdown).
@@ -324,8 +368,16 @@ class Worker:
             self.registry.put_routes(kept)
         return decoded
 
-    def _serve(self, run: EngineRun, outbox: Outbox, began: float) -> None:
+    def _serve(
+        self, run: EngineRun, outbox: Outbox, began: float, answer: Reply | None
+    ) -> Restart | None:
+        """Serve ``run``'s engine until closed (None) or a planned restart (its command).
+
+        ``answer``: a planned restart's reply, answered once this engine is served.
+        """
         engine, first = run.engine, run.generation == 0
+        if self._run is run:  # a refused restart: serve on
+            return self._loop(run)
         self._run = run
         if self._closing.is_set():  # closed before this run was seen: stop its watchdog
             run.left.set()
@@ -348,11 +400,14 @@ class Worker:
             if self._started is not None:
                 self._started.ok(outbox)
             outbox.flush()
-        self._loop(run)
+        if answer is not None:
+            answer.ok(outbox)
+            outbox.flush()
+        return self._loop(run)
 
     # -- the step loop ---------------------------------------------------------------
 
-    def _loop(self, run: EngineRun) -> None:
+    def _loop(self, run: EngineRun) -> Restart | None:
         engine, inbox = run.engine, self.inbox
         while not inbox.closed:
             commands, step_anyway = self._wait(run)
@@ -374,7 +429,16 @@ class Worker:
                     break
                 command = commands.popleft()
                 try:
-                    self._applier.apply(engine, command, outbox)
+                    match command:
+                        case Restart():
+                            # What came after it is applied on the new engine.
+                            run.carry.extend(commands)
+                            self._flush(engine, outbox)
+                            return command
+                        case Vacate():
+                            self._vacate(engine, command, outbox)
+                        case _:
+                            self._applier.apply(engine, command, outbox)
                 except BaseException as exc:
                     if self._recovery is not None and not self.registry.ended:
                         # Restarting: the command is applied again on the new engine.
@@ -405,6 +469,34 @@ class Worker:
                 # next request's first step.
                 self._step(engine, outbox)
             self._flush(engine, outbox)
+        return None
+
+    def _vacate(self, engine: EngineLike, vacate: Vacate, outbox: Outbox) -> None:
+        """A pool drains this member: hand its requests over, then answer once it is empty.
+
+        Between two steps: each request's resume state is read from the
+        engine, the pool's ``handoff`` places it on another member (an
+        ``Adopt`` there), and only what was placed is aborted here; what no
+        member took stays and finishes here, as everything does without
+        ``handoff``.
+        """
+        moved: list[str] = []
+        if vacate.handoff and self.handoff is not None and self.registry.routes:
+            taken = self.registry.take_routes()
+            decoded = decode(engine, taken)
+            kept = self.handoff(taken, decoded, None)
+            self.registry.put_routes(kept)
+            stays = {request_id for request_id, _ in kept}
+            engine_ids: list[str] = []
+            for request_id, route in taken:
+                if request_id not in stays:
+                    moved.append(request_id)
+                    engine_ids += route.engine_ids(request_id)
+            if engine_ids:
+                engine.abort_request(engine_ids)
+            emit(logging.INFO, "requests handed over", moved=len(moved), stayed=len(kept))
+        stayed = list(self.registry.routes)
+        self.registry.idle.append((vacate.reply, (tuple(moved), tuple(stayed))))
 
     def _wait(self, run: EngineRun) -> tuple[deque[Order], bool]:
         """Take the next commands, sleeping as long as nothing else is due.
@@ -469,6 +561,11 @@ class Worker:
         request in flight (a step, an abort, a closed loop) ends a "wait" pause
         now, not at a step that may never come.
         """
+        registry = self.registry
+        if registry.idle and not registry.in_flight:
+            waiting, registry.idle = registry.idle, []
+            for reply, value in waiting:
+                reply.ok(outbox, value)
         for loop in outbox.flush():
             self._forget(engine, loop)
         if self.registry.control.drains and not engine.has_unfinished_requests():
