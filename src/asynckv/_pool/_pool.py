@@ -348,7 +348,9 @@ class AsyncEnginePool:
 
     def _check_handoff(self, index: int) -> None:
         # With the pool's lock held: a drain with handoff that could never hand over fails now.
-        if not all(engine._worker.resumable for engine in self._engines):
+        # index -1 (a roll): every member will be drained.
+        drained = self._engines if index < 0 else [self._engines[index]]
+        if not all(engine._worker.resumable for engine in drained):
             raise ValueError(
                 "handoff needs a RestartPolicy on the members (restart= when they are made): "
                 "without one requests keep no state to resume from; drain with handoff=False"

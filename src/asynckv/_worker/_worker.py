@@ -561,17 +561,27 @@ class Worker:
         request in flight (a step, an abort, a closed loop) ends a "wait" pause
         now, not at a step that may never come.
         """
-        registry = self.registry
-        if registry.idle and not registry.in_flight:
-            waiting, registry.idle = registry.idle, []
-            for reply, value in waiting:
-                reply.ok(outbox, value)
+        self._answer_idle(outbox)
+        forgot = False
         for loop in outbox.flush():
             self._forget(engine, loop)
+            forgot = True
+        if forgot and self._answer_idle(outbox):  # a closed loop's requests were the last
+            outbox.flush()
         if self.registry.control.drains and not engine.has_unfinished_requests():
             self._applier.change(engine, outbox, lambda c: c.drained(), None)
             for loop in outbox.flush():
                 self._forget(engine, loop)
+
+    def _answer_idle(self, outbox: Outbox) -> bool:
+        """Answer the drains waiting for nothing in flight, if nothing is; whether it did."""
+        registry = self.registry
+        if not registry.idle or registry.in_flight:
+            return False
+        waiting, registry.idle = registry.idle, []
+        for reply, value in waiting:
+            reply.ok(outbox, value)
+        return True
 
     def _forget(self, engine: EngineLike, loop: Loop) -> None:
         self._applier.forget_loop(engine, loop)
