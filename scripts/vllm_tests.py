@@ -25,8 +25,10 @@ Two suites:
   ``python -m vllm.entrypoints.openai.api_server`` (backend ``vllm``) and
   ``python -m asynckv.serve``: scripts/vllm_tests/openai/conftest.py swaps the
   command vLLM's ``tests/utils.py`` ``RemoteOpenAIServer`` starts (``vllm
-  serve``). Every module starts its own servers (about 17 per backend), so on
-  two cores this takes about an hour.
+  serve``). Every module starts its own servers (about 17 per backend); the
+  whole suite was not timed. On idle two cores: the three unit-test modules
+  (no server, 82 tests) take 2.5 minutes for both backends, test_chat_echo.py
+  (one server, 4 tests) 2 minutes on vllm serve and 1.4 on asynckv.serve.
 
 The engine suite's edits, each because this machine can't run the test as written:
 
