@@ -14,6 +14,7 @@ executor). Nothing here touches the ``LLMEngine``: everything goes through the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -147,18 +148,21 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
                 which its message names; vLLM's ``VLLMClientError``s (a bad
                 request) pass unchanged.
         """
+        args = RequestArgs(
+            prompt_text=prompt_text,
+            lora_request=lora_request,
+            tokenization_kwargs=tokenization_kwargs,
+            trace_headers=trace_headers,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+            session_id=session_id,
+            kv_hints=kv_hints,
+            reasoning_ended=reasoning_ended,
+            reasoning_parser_kwargs=reasoning_parser_kwargs,
+        )
         if is_streaming_input(prompt):
-            args = RequestArgs(
-                lora_request=lora_request,
-                tokenization_kwargs=tokenization_kwargs,
-                trace_headers=trace_headers,
-                priority=priority,
-                data_parallel_rank=data_parallel_rank,
-                session_id=session_id,
-                kv_hints=kv_hints,
-                reasoning_ended=reasoning_ended,
-                reasoning_parser_kwargs=reasoning_parser_kwargs,
-            )
+            # Each input brings its own prompt text (_loop/_inputs.py).
+            args = dataclasses.replace(args, prompt_text=None)
             async for out in self._streaming(prompt, sampling_params, request_id, args):
                 yield out
             return
@@ -166,18 +170,6 @@ class AsyncEngineClient(EngineClient):  # type: ignore[misc]  # vLLM's classes a
         with self._lock:
             self._unfinished += count
         try:
-            args = RequestArgs(
-                prompt_text=prompt_text,
-                lora_request=lora_request,
-                tokenization_kwargs=tokenization_kwargs,
-                trace_headers=trace_headers,
-                priority=priority,
-                data_parallel_rank=data_parallel_rank,
-                session_id=session_id,
-                kv_hints=kv_hints,
-                reasoning_ended=reasoning_ended,
-                reasoning_parser_kwargs=reasoning_parser_kwargs,
-            )
             options = await engine_options(self.engine, args)
             async with self.engine.generate(prompt, sampling_params, request_id, **options) as s:
                 async for out in s:
