@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -335,6 +335,13 @@ def _stop(server: ServerProcess, children: list[psutil.Process], tracebacks_ok: 
     # vLLM's model-runner process outlives its engine core by a moment at shutdown.
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [(p, p.cmdline()) for p in alive]
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent-events response, in order, ``[DONE]`` included."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            yield line.removeprefix("data: ")
 
 
 def http_client(

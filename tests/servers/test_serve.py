@@ -29,7 +29,15 @@ import openai
 import pytest
 
 from asynckv.testing import demo_model
-from support import Launch, ServerProcess, http_client, openai_client, serve_bench, served
+from support import (
+    Launch,
+    ServerProcess,
+    http_client,
+    openai_client,
+    serve_bench,
+    served,
+    sse_data,
+)
 
 # Server starts (15-200 s on 2 busy cores) count against the first test's timeout.
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(600)]
@@ -406,10 +414,7 @@ async def _stream_to_the_end(
     seen: dict[str, Any] = {"finish": None, "tokens": 0, "done": False, "errors": []}
     async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
+        async for data in sse_data(r):
             if data == "[DONE]":
                 seen["done"] = True
                 continue

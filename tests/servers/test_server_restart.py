@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from support import Launch, ServerProcess, http_client, served
+from support import Launch, ServerProcess, http_client, served, sse_data
 
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_only, pytest.mark.timeout(900)]
 
@@ -65,10 +65,7 @@ async def stream(
     seen: dict[str, Any] = {"text": "", "finish": None, "usage": None, "done": False}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
+        async for data in sse_data(r):
             if data == "[DONE]":
                 seen["done"] = True
                 continue
@@ -141,9 +138,9 @@ async def test_sigterm_mid_stream_says_the_server_is_shutting_down(
     events: list[dict[str, Any]] = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line.removeprefix("data: ")))
+        async for data in sse_data(r):
+            if data != "[DONE]":
+                events.append(json.loads(data))
                 if len(events) == 1:
                     server.process.send_signal(signal.SIGTERM)
     assert len(events) > 1, events
