@@ -59,6 +59,9 @@ SHARED = {
     "max_num_batched_tokens": 512,
     "seed": 0,
     "dtype": "float32",  # TP=2 sums in another order than TP=1: see tests/engine/test_tp.py
+    # engine_args builds eager on the CPU; a headless node built compiled would
+    # wait forever for a head whose ranks never join its compiled warm-up.
+    "enforce_eager": True,
 }
 PROMPTS = (
     "To be or not to be,",
@@ -128,7 +131,8 @@ def headless(
     command += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"]
     command += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     for name, value in SHARED.items():
-        command += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        command += [flag] if value is True else [flag, str(value)]
     # The head's rank takes core 0.
     env = child_env(VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND="1")
     with log.open("wb") as out:
