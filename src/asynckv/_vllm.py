@@ -23,6 +23,7 @@ import copy
 import queue
 import signal
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,10 +45,12 @@ __all__ = (
     "BuildTime",
     "Detokenizer",
     "EngineLike",
+    "Prepared",
     "StepTap",
     "VllmEngineDeadError",
     "abort_outputs",
     "add_core_request",
+    "add_prepared",
     "add_request",
     "add_stream_input",
     "client_threads",
@@ -62,10 +65,13 @@ __all__ = (
     "fail_utility_calls",
     "final_abort_output",
     "has_core_process",
+    "input_executor",
     "is_core_request",
     "is_engine_dead",
+    "made_for",
     "merge_delta",
     "pause_core_scheduler",
+    "prepare_request",
     "process_inputs",
     "read_build_time",
     "rejected_kv_request",
@@ -367,14 +373,22 @@ class BuildTime:
     vllm_config: VllmConfig
     renderer: BaseRenderer
     input_processor: InputProcessor
+    supported_tasks: tuple[Any, ...]
 
 
 def read_build_time(engine: Any) -> BuildTime | None:
-    """Read what ``engine`` set when it was built; None for a stand-in that has none."""
+    """Read what ``engine`` set when it was built; None for a stand-in that has none.
+
+    On the thread that built it, before anyone else uses it: the supported
+    tasks are asked of the engine core once here (``LLMEngine`` caches them),
+    so that input processing off the worker never calls the engine.
+    """
     try:
-        return BuildTime(engine.vllm_config, engine.renderer, engine.input_processor)
+        built = (engine.vllm_config, engine.renderer, engine.input_processor)
+        tasks = tuple(engine.get_supported_tasks())
     except AttributeError:
         return None  # a stand-in for LLMEngine (a test's fake engine)
+    return BuildTime(*built, tasks)
 
 
 def is_core_request(prompt: Any) -> bool:
@@ -459,6 +473,111 @@ def _text_of(prompt: Any) -> str | None:
     # The text of a rendered or typed prompt (a dict), for the outputs' ``prompt``.
     text = prompt.get("prompt") if isinstance(prompt, dict) else None
     return text if isinstance(text, str) else None
+
+
+# -- input processing off the worker: built on the renderer's pool, added on the worker --
+#
+# ``AsyncLLM`` (0.32) runs ``InputProcessor.process_inputs`` on the renderer's
+# thread pool (``process_inputs_async``), beside its loop; asynckv does the same,
+# so tokenization never holds up the worker's steps. The tokenizer that pool uses
+# is vLLM's thread-safe one (``maybe_make_thread_pool``: a deep copy per thread
+# at once), so it never shares a Rust tokenizer with the worker's detokenizers.
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """An engine-core request built off the worker, for the engine ``built`` describes."""
+
+    request: EngineCoreRequest
+    prompt_text: str | None
+    built: BuildTime
+
+
+def input_executor(built: BuildTime) -> Executor | None:
+    """The thread pool that processes inputs for the engine ``built`` describes, if any.
+
+    The renderer's own pool (``renderer_num_workers`` threads, 1 by default), as
+    ``AsyncLLM.add_request`` uses it. None where the renderer has none (a
+    vLLM before the pool) or the model takes multimodal inputs: their
+    processor cache is filled in the order requests are processed and must
+    match the engine core's, so those stay on the worker, in submission order.
+    """
+    if built.vllm_config.model_config.is_multimodal_model:
+        return None
+    executor = getattr(built.renderer, "_executor", None)
+    return executor if isinstance(executor, Executor) else None
+
+
+def prepare_request(
+    built: BuildTime,
+    request_id: str,
+    prompt: Any,
+    params: SamplingParams,
+    options: dict[str, Any],
+) -> Prepared:
+    """Build the engine-core request of ``prompt`` as ``LLMEngine.add_request`` would.
+
+    On the renderer's pool (``input_executor``), never on the worker. ``options``
+    are ``add_request``'s (``_vllm.add_request``): the reasoning fields are set
+    on the request, and ``prompt_text`` is what the outputs report as the prompt
+    (else the prompt's own text, as ``LLMEngine.add_request`` takes it).
+
+    Raises:
+        What ``InputProcessor.process_inputs`` raises for a bad request.
+    """
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+    process = {key: value for key, value in options.items() if key not in _NOT_PROCESSED}
+    text = options.get("prompt_text")
+    if is_core_request(prompt):
+        request: EngineCoreRequest = prompt
+    else:
+        request = built.input_processor.process_inputs(
+            request_id, prompt, params, supported_tasks=built.supported_tasks, **process
+        )
+        if text is None:
+            text, _, _ = extract_prompt_components(built.vllm_config.model_config, prompt)
+    set_reasoning(request, options.get("reasoning_ended"), options.get("reasoning_parser_kwargs"))
+    return Prepared(request, text, built)
+
+
+# What ``prepare_request`` takes out of the options before ``process_inputs``.
+_NOT_PROCESSED = frozenset(("prompt_text", "reasoning_ended", "reasoning_parser_kwargs"))
+
+
+def made_for(engine: EngineLike, prepared: Prepared) -> bool:
+    """Whether ``prepared`` was built for ``engine`` (not for one a restart replaced)."""
+    return getattr(engine, "vllm_config", None) is prepared.built.vllm_config
+
+
+def add_prepared(engine: EngineLike, prepared: Prepared) -> None:
+    """Add a request built off the worker, as ``LLMEngine.add_request`` adds one (worker thread).
+
+    The part of ``add_request`` after input processing: the internal id, the
+    output processor's state, the engine core; ``n > 1`` fans out into child
+    requests. ``LLMEngine.add_request`` would take the request as its prompt
+    too, but logs it as deprecated.
+    """
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    llm_engine: Any = engine  # an LLMEngine: prepared requests are only made for one
+    request = prepared.request
+    llm_engine.input_processor.assign_request_id(request)
+    params = request.params
+    n = params.n if isinstance(params, SamplingParams) else 1
+    if n == 1:
+        llm_engine.output_processor.add_request(request, prepared.prompt_text, None, 0)
+        llm_engine.engine_core.add_request(request)
+        return
+    parent = ParentRequest(request)
+    for index in range(n):
+        child_id, child_params = parent.get_child_info(index)
+        child = request if index == n - 1 else copy.copy(request)
+        child.request_id = child_id
+        child.sampling_params = child_params
+        llm_engine.output_processor.add_request(child, prepared.prompt_text, parent, index)
+        llm_engine.engine_core.add_request(child)
 
 
 # -- streaming input (AsyncLLM's generate with an async generator of StreamingInput) --

@@ -149,3 +149,28 @@ async def test_many_concurrent_streams(engine: AsyncEngine) -> None:
     assert sorted(o.request_id for o in outs) == sorted({o.request_id for o in outs})
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert await unfinished(engine) == 0
+
+
+async def test_input_is_processed_off_the_worker(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's input (tokenization, the engine-core request) is built on vLLM's
+    renderer pool, as ``AsyncLLM`` builds it, never on the worker thread that steps;
+    the output still reports the prompt's text and its tokens."""
+    import threading
+
+    processor = type(engine.input_processor)
+    process = processor.process_inputs
+    threads: list[str] = []
+
+    def recording(self: object, *args: object, **kwargs: object) -> object:
+        threads.append(threading.current_thread().name)
+        return process(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(processor, "process_inputs", recording)
+    out = await engine.generate("Off the worker", SamplingParams(max_tokens=4, **GREEDY))
+    assert out.prompt == "Off the worker"
+    assert out.prompt_token_ids
+    assert len(out.outputs[0].token_ids) == 4
+    assert threads
+    assert "asynckv-engine" not in threads

@@ -16,6 +16,7 @@ with 200 streams on one loop costs that loop one wake-up.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
 
-    from .._vllm import EngineLike
+    from .._vllm import EngineLike, Prepared
     from ._loops import Future, Loop
 
 __all__ = (
@@ -250,13 +251,25 @@ class Reply:
 
 @dataclass(eq=False)
 class Add:
-    """Add a request; its outputs and errors go to ``sink``."""
+    """Add a request; its outputs and errors go to ``sink``.
+
+    ``prepared``, where set, is the engine-core request being built off the
+    worker (on vLLM's renderer pool) from the same prompt, params and
+    ``kwargs``: the worker adds that once it is ``ready``, or builds the
+    request itself where it can't be used (cancelled, or made for an engine
+    that a restart replaced).
+    """
 
     request_id: str
     prompt: Any
     params: SamplingParams
     kwargs: dict[str, Any]
     sink: Sink
+    prepared: concurrent.futures.Future[Prepared] | None = None
+
+    def ready(self) -> bool:
+        """Whether the worker can add it without waiting for its input processing."""
+        return self.prepared is None or self.prepared.done()
 
     def fail(self, outbox: Outbox, error: BaseException) -> None:
         outbox.post(self.sink.loop, self.sink.fail, error)

@@ -11,6 +11,7 @@ state, from any thread, without waiting for it. The ``AsyncLLM`` calls that are 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
@@ -46,6 +47,7 @@ from .._errors import (
 )
 from .._stats import EngineStats
 from .._types import PauseMode, RestartPolicy
+from .._vllm import input_executor, prepare_request
 from .._worker._worker import Worker
 from ._asyncllm import AsyncLLMMethods, BuildRecord
 from ._inputs import StreamingInputs, checked_streaming_params, is_streaming_input
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.output_processor import RequestOutputCollector
     from vllm.v1.metrics.loggers import StatLoggerFactory
 
-    from .._vllm import BuildTime, EngineLike
+    from .._vllm import BuildTime, EngineLike, Prepared
 
 __all__ = (
     "AsyncEngine",
@@ -474,7 +476,11 @@ class AsyncEngine(AsyncLLMMethods):
         (one engine core; any other raises ``AsyncLLM``'s
         ``VLLMValidationError``), and the reasoning fields, which
         ``LLMEngine.add_request`` lacks, are set on the engine request that
-        vLLM's input processor builds on the worker. Without ``request_id`` a
+        vLLM's input processor builds. That build (tokenization, validation)
+        starts here on vLLM's renderer thread pool, as on ``AsyncLLM``, not on
+        the worker, which only adds the built request between two steps, in
+        the order of submission (a multimodal model's inputs are still
+        processed on the worker, in order). Without ``request_id`` a
         unique one is made. Must be called on a running event loop (asyncio or trio),
         which the stream then belongs to.
 
@@ -510,8 +516,27 @@ class AsyncEngine(AsyncLLMMethods):
             stream, _ = self._stream_inputs(prompt, params, rid, args, interval)
             return stream
         sink = _Sink(loop, rid, params.output_kind, params.n, interval)
-        self._submit(Add(rid, prompt, params, args.add_request_options(), sink))
+        options = args.add_request_options()
+        prepared = self._prepare(rid, prompt, params, options)
+        self._submit(Add(rid, prompt, params, options, sink, prepared))
         return RequestStream(rid, sink, self._abort_soon)
+
+    def _prepare(
+        self, request_id: str, prompt: Any, params: SamplingParams, options: dict[str, Any]
+    ) -> concurrent.futures.Future[Prepared] | None:
+        # The request's input processing (tokenization, validation, the core
+        # request), started now on vLLM's renderer pool, as AsyncLLM runs it:
+        # the worker then only adds what was built, and steps meanwhile. None
+        # where the worker must process it (no engine built yet, a fake, a
+        # multimodal model, a pool shut down by a close or a rebuild).
+        built = self._record.built
+        executor = None if built is None else input_executor(built)
+        if built is None or executor is None:
+            return None
+        try:
+            return executor.submit(prepare_request, built, request_id, prompt, params, options)
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            return None
 
     def _stream_inputs(
         self,

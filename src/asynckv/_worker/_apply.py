@@ -10,6 +10,7 @@ reset of the prefix cache, asked for (``Reset``) or made by a pause
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,9 +33,12 @@ from .._errors import EngineClosedError, RequestNotResumedError
 from .._log import emit, enabled
 from .._vllm import (
     EngineLike,
+    Prepared,
     abort_outputs,
+    add_prepared,
     add_request,
     is_engine_dead,
+    made_for,
     pause_core_scheduler,
     resume_core_scheduler,
 )
@@ -203,7 +207,11 @@ class Applier:
             outbox.post(add.sink.loop, add.sink.fail, duplicate)
             return
         try:
-            add_request(engine, request_id, add.prompt, add.params, add.kwargs)
+            prepared = _prepared(engine, add)
+            if prepared is None:
+                add_request(engine, request_id, add.prompt, add.params, add.kwargs)
+            else:
+                add_prepared(engine, prepared)
         except Exception as exc:
             if is_engine_dead(exc):
                 raise
@@ -288,3 +296,21 @@ class Applier:
         if ids:
             engine.abort_request(ids)
             self.counters.requests_aborted += len(ids)
+
+
+def _prepared(engine: EngineLike, add: Add) -> Prepared | None:
+    """The request built off the worker for ``add``, or None where the worker must build it.
+
+    Waits for it if it isn't built yet (the worker only gets here once it is,
+    or when it has nothing to step meanwhile), and raises its processing
+    error: a bad request's. None where there was none to build, it was
+    cancelled (the pool shut down), or it was built for an engine that a
+    restart has replaced since.
+    """
+    if add.prepared is None:
+        return None
+    try:
+        prepared = add.prepared.result()
+    except concurrent.futures.CancelledError:
+        return None
+    return prepared if made_for(engine, prepared) else None

@@ -32,6 +32,10 @@ The step loop: each pass takes the inbox's commands in FIFO order and
 applies them, answers them, then steps once if requests are unfinished and
 nothing stops the stepping; otherwise it sleeps on the inbox, so an idle
 engine costs no CPU. It answers the loops only through an ``Outbox``.
+A request's input is processed off this thread (the ``Add``'s ``prepared``,
+built on vLLM's renderer pool): a pass that meets one not yet built while an
+output waits reads that step first and comes back to it, in order, so the
+worker never tokenizes while requests are waiting for their next token.
 
 With vLLM's engine-core process, ``step()`` blocks until the core's next
 output. The worker doesn't wait there: it sleeps on the inbox until a command
@@ -58,7 +62,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._bridge._channel import Inbox, Outbox, Reply, Restart
+from .._bridge._channel import Add, Inbox, Outbox, Reply, Restart
 from .._bridge._loops import Loop
 from .._errors import EngineClosedError, EngineDeadError
 from .._log import emit
@@ -427,6 +431,12 @@ class Worker:
                     for command in commands:
                         command.fail(outbox, error)
                     break
+                if self._step_first(engine, run, commands[0]):
+                    # Its input is still being processed off this thread: read the
+                    # step that waits meanwhile, and come back to it (and, in
+                    # order, to what came after it) on the next pass.
+                    run.carry.extend(commands)
+                    break
                 command = commands.popleft()
                 try:
                     match command:
@@ -470,6 +480,16 @@ class Worker:
                 self._step(engine, outbox)
             self._flush(engine, outbox)
         return None
+
+    def _step_first(self, engine: EngineLike, run: EngineRun, head: Order) -> bool:
+        """Whether to step before ``head``: a request whose input isn't built yet, and an
+        output waiting to be read meanwhile."""
+        return (
+            isinstance(head, Add)
+            and not head.ready()
+            and self._may_step(engine)
+            and run.output_waiting()
+        )
 
     def _vacate(self, engine: EngineLike, vacate: Vacate, outbox: Outbox) -> None:
         """A pool drains this member: hand its requests over, then answer once it is empty.
