@@ -91,6 +91,8 @@ def _build(args: argparse.Namespace) -> asynckv.AsyncEngine:
         settings |= {"load_format": args.load_format, "skip_tokenizer_init": True}
     if args.gpu_memory_utilization is not None:
         settings["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.enforce_eager:
+        settings["enforce_eager"] = True
     config = EngineArgs(**settings).create_engine_config()
     engine = LLMEngine(
         vllm_config=config,
@@ -486,6 +488,11 @@ def main() -> None:
     m.add_argument("--model", default=None, help="checkpoint (default: the tiny model)")
     m.add_argument("--load-format", default=None, help="e.g. dummy: random weights, no tokenizer")
     m.add_argument("--gpu-memory-utilization", type=float, default=None)
+    m.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no torch.compile (CPU) or CUDA graphs: a build of seconds, for a smoke run",
+    )
     m.add_argument("--out", type=Path, default=Path("results/cost"))
     p = sub.add_parser("plot", help="the curve from a bench.py JSON, and the tables")
     p.add_argument(

@@ -3,7 +3,7 @@
 #
 # Makes (or reuses) a virtual environment in .venv, installs asynckv with vLLM
 # for CPUs and the test tools, then runs ruff, mypy, a strict docs build and
-# pytest. Arguments are passed to pytest.
+# pytest, on two processes. Arguments are passed to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,4 +13,7 @@ source scripts/setup.sh
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"
 NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet
-"$py" -m pytest "$@"
+# Two processes (pytest-xdist), a test file at a time each: a file's engines and
+# servers are built once per file, and most of a test's time is waiting on them.
+# ASYNCKV_TEST_WORKERS=0 runs the suite in this process alone.
+"$py" -m pytest -n "${ASYNCKV_TEST_WORKERS:-2}" --dist loadfile "$@"

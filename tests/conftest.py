@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 import pytest
 import structlog
 from hypothesis import HealthCheck, settings
@@ -37,6 +36,17 @@ from structlog.testing import capture_logs
 from asynckv import AsyncEngine
 from asynckv.testing import tiny_model
 from support import ON_GPU, engine_args, start_engine
+
+# Under pytest-xdist (scripts/test.sh runs two processes), vLLM's CPU backend would
+# bind every engine's model threads to the same first core ("auto" reserves the
+# rest for the frontend): each process's engines get a core of their own instead.
+# Tests that bind cores themselves (test_tp, test_multinode) set their own.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw") and hasattr(os, "sched_getaffinity"):
+    _CORES = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault(
+        "VLLM_CPU_OMP_THREADS_BIND", str(_CORES[int(_XDIST_WORKER[2:]) % len(_CORES)])
+    )
 
 # Importing hypothesis runs its plugins, among them trio's, which registers a PRNG and
 # checks with gc.get_referrers that something holds it. After an engine has frozen the
@@ -101,10 +111,10 @@ def model_path() -> Path:
 def engine(model_path: Path) -> Iterator[AsyncEngine]:
     """A started engine in vLLM's default multiprocess mode, shared by the suite.
 
-    Compiled, as vLLM builds it by default on a CPU (on a GPU, eager), where the
-    suite's other engines run eager to start in a second (``engine_args``).
+    Eager, as every engine the suite builds (``engine_args``); the compiled
+    path, vLLM's default, runs in the examples' tests (tests/engine/test_example.py).
     """
-    started = start_engine(engine_args(model_path, enforce_eager=ON_GPU))
+    started = start_engine(engine_args(model_path))
     yield started
     started.shutdown()
 
@@ -113,12 +123,12 @@ def engine(model_path: Path) -> Iterator[AsyncEngine]:
 def inproc_engine(model_path: Path) -> Iterator[AsyncEngine]:
     """An in-process engine (no engine-core process), built by hand and wrapped.
 
-    Compiled like ``engine``, whose greedy tokens it is compared with.
+    Built from the same arguments as ``engine``, whose greedy tokens it is compared with.
     """
     from vllm import LLMEngine
     from vllm.v1.executor import Executor
 
-    config = engine_args(model_path, enforce_eager=ON_GPU).create_engine_config()
+    config = engine_args(model_path).create_engine_config()
     llm_engine = LLMEngine(
         vllm_config=config,
         executor_class=Executor.get_class(config),

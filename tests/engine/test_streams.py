@@ -165,7 +165,7 @@ async def test_input_is_processed_off_the_worker(
 
     def recording(self: object, *args: object, **kwargs: object) -> object:
         threads.append(threading.current_thread().name)
-        return process(self, *args, **kwargs)  # type: ignore[arg-type]
+        return process(self, *args, **kwargs)
 
     monkeypatch.setattr(processor, "process_inputs", recording)
     out = await engine.generate("Off the worker", SamplingParams(max_tokens=4, **GREEDY))

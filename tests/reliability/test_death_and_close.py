@@ -134,7 +134,8 @@ SCRIPT = textwrap.dedent(
     from asynckv import AsyncEngine
 
     async def main(close: bool) -> None:
-        engine = AsyncEngine.from_engine_args(EngineArgs(model=sys.argv[1], max_model_len=512))
+        args = EngineArgs(model=sys.argv[1], max_model_len=512, enforce_eager=True)
+        engine = AsyncEngine.from_engine_args(args)
         await engine.start()
         streams = [engine.generate(f"p{i}", SamplingParams(max_tokens=400, ignore_eos=True))
                    for i in range(8)]
@@ -152,7 +153,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.cpu_only  # the script builds its engine from vLLM's defaults, sized for this machine
+@pytest.mark.cpu_only  # the script's engine is sized for this machine (eager: see engine_args)
 @pytest.mark.parametrize("how", ["ctrl-c", "no-close"])
 def test_script_exits_cleanly(
     how: str, model_path: Path, tmp_path: Path, figures: Callable[[str], None]

@@ -122,7 +122,7 @@ def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     made = Cluster(address, f"http://127.0.0.1:{http_port}", str(model_path), token, env, log, 0.0)
     head = ["start", "--head", "--port", str(port), "--include-dashboard=false"]
     vllm_flags = ["--model", str(model_path), "--max-model-len", str(MAX_MODEL_LEN)]
-    vllm_flags += ["--max-num-seqs", "32", "--seed", "0"]
+    vllm_flags += ["--max-num-seqs", "32", "--seed", "0", "--enforce-eager"]
     try:
         _ray(env, log, *head, "--disable-usage-stats", *common, VLLM_CPU_OMP_THREADS_BIND="0")
         _ray(env, log, "start", "--address", address, *common, VLLM_CPU_OMP_THREADS_BIND="1")

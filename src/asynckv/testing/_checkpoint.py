@@ -8,6 +8,7 @@ both of ``asynckv.testing``'s models; the demo model's training is in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import json
@@ -15,7 +16,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = (
@@ -92,25 +93,50 @@ def cached(
         return target
 
     root.mkdir(parents=True, exist_ok=True)
-    # The temporary folder sits beside the target so the rename stays on one
-    # filesystem and is therefore atomic.
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
-    try:
-        build(tmp, corpus.decode("utf-8"))
-        # mkdtemp (and safetensors) create owner-only entries; a cache should be
-        # readable like any other downloaded checkpoint.
-        tmp.chmod(0o755)
-        for child in tmp.iterdir():
-            child.chmod(0o644)
+    # One builder at a time: a second process asking meanwhile (two test
+    # processes, two servers started together) waits and takes the first's copy,
+    # rather than training the demo model a second time for minutes.
+    with _locked(root / f".{target.name}.lock"):
+        if target.is_dir():
+            return target
+        # The temporary folder sits beside the target so the rename stays on one
+        # filesystem and is therefore atomic.
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another builder got there first; its copy is identical.
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp, corpus.decode("utf-8"))
+            # mkdtemp (and safetensors) create owner-only entries; a cache should be
+            # readable like any other downloaded checkpoint.
+            tmp.chmod(0o755)
+            for child in tmp.iterdir():
+                child.chmod(0o644)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                # Another builder got there first (one without the lock); its copy
+                # is identical.
+                if not target.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (made if missing) across processes; where
+    the OS has no ``fcntl`` (Windows), no lock: builders race, and the rename keeps
+    one identical copy."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_tiny(out: pathlib.Path, corpus: str) -> None:
