@@ -1,7 +1,8 @@
-"""What both model-based machines stand on: a fake engine, loop threads, stream consumers.
+"""What the model-based machines stand on: a fake engine, loop threads, stream consumers.
 
-tests/model/test_model_fake.py drives ``CreditEngine`` below; test_model_engine.py
-drives the real tiny engine. Both consume streams with ``Consumer`` and ``consume``.
+tests/model/test_model_fake.py and test_model_pool.py drive ``CreditEngine``
+below; test_model_engine.py drives the real tiny engine. All consume streams
+with ``Consumer`` and ``consume``.
 
 ``CreditEngine`` is the suite's ``FakeEngine`` made exact enough to model: it
 emulates vLLM's multiprocess mode, where ``step()`` returns the engine core's
@@ -21,7 +22,10 @@ blocks until one comes (``outputs_queue.watched`` says when the hook is in).
 ``LoopThread`` is an event loop running forever on a thread of its own;
 ``call`` runs a coroutine there and waits for it, bounded. ``Consumer`` is a
 task on such a loop that awaits, iterates or ``anext``s a stream, recording
-what it gave.
+what it gave. ``Req`` is a request as a fake-engine model sees it; ``feed``
+says when its consumer must take what the stream holds, and ``absorb`` checks
+what the consumer took against the model (test_model_fake.py and
+test_model_pool.py share them).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from vllm import SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
-from asynckv import AsyncEngine, RequestStream
+from asynckv import AsyncEngine, EngineClosedError, EngineDeadError, RequestStream
 from fakes import FakeEngine
 
 T = TypeVar("T")
@@ -452,3 +456,150 @@ def start_consumer(loop: LoopThread, consumer: Consumer, stream: RequestStream) 
         consumer.task = asyncio.create_task(consume(consumer, stream))
 
     loop.call(start, "starting a consumer")
+
+
+# -- the model of a request, and what its stream gave ---------------------------------
+
+
+@dataclass(eq=False)
+class Result:
+    """What a call returned or raised."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Req:
+    """A request as the model sees it."""
+
+    rid: str
+    loop: int
+    n: int
+    kind: RequestOutputKind
+    max_tokens: int
+    state: Literal["parked", "running", "ended"]
+    tokens: int = 0
+    outcome: str = ""  # once ended: length, abort, dead or closed
+    end_tokens: int = 0
+    cause: str = ""  # for dead: lines of text the error's message must contain
+    stream: RequestStream | None = None  # the model's reference, if it holds one
+    consumer: Consumer | None = None
+    unread: bool = False  # the stream holds output (or its end) nobody has taken
+    consumed_end: bool = False  # a consumer took the final output or the error
+    closed: bool = False  # aclose()d or dropped: no more consuming
+    lossy: bool = False  # a cancelled await took DELTA pieces that are lost
+    delta: dict[int, list[int]] = field(default_factory=dict)
+    cumulative: dict[int, int] = field(default_factory=dict)
+    reasons: dict[int, str | None] = field(default_factory=dict)
+    final: RequestOutput | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.kind is not RequestOutputKind.FINAL_ONLY
+
+
+def feed(req: Req) -> None:
+    """The stream has new output, or its end: a consumer waiting on it takes it now.
+
+    (It does so before the next step or command: rules wait for both loops.)
+    """
+    consumer = req.consumer
+    if consumer is None or consumer.due:
+        return
+    if consumer.kind in ("await", "iterate"):
+        req.unread = False
+        consumer.due = req.state == "ended"
+    elif req.unread or req.state == "ended":
+        consumer.due, req.unread = True, False
+
+
+def absorb(req: Req, consumer: Consumer) -> None:
+    """Check what a consumer that ended took from its stream (its outputs, result or error)."""
+    req.consumer, consumer.task = None, None
+    what = f"{req.rid} ({consumer.kind})"
+    assert not consumer.cancelled, f"{what}: the task was cancelled"
+    for out in consumer.outputs:
+        piece(req, out, awaited=False)
+    if consumer.result is not None:
+        piece(req, consumer.result, awaited=True)
+    if consumer.error is not None:
+        ended_with(req, consumer.error, consumer.trace)
+    elif consumer.stopped:
+        raise AssertionError(f"{what}: StopAsyncIteration before the end")
+    elif consumer.kind in ("await", "iterate"):
+        assert req.consumed_end, f"{what}: ended without a final output"
+    else:
+        assert len(consumer.outputs) == 1, (what, consumer.outputs)
+    if consumer.kind == "iterate" and consumer.error is None:
+        assert consumer.after_end == "stop", (
+            f"{what}: after the end, anext gave {consumer.after_end}"
+        )
+
+
+def ended_with(req: Req, error: BaseException, trace: str) -> None:
+    """Check the error a stream ended with against the outcome the model gave its request."""
+    expected = {"dead": EngineDeadError, "closed": EngineClosedError}.get(req.outcome)
+    assert expected is not None and isinstance(error, expected), (
+        f"{req.rid} ({req.state}, {req.outcome}): raised {error!r}\n{trace}"
+    )
+    if isinstance(error, EngineDeadError):
+        names(error, req.cause)
+    req.consumed_end = True
+
+
+def piece(req: Req, out: RequestOutput, awaited: bool) -> None:
+    """Check one output a consumer took against the model, and the end if it is final."""
+    what = f"{req.rid}: output {out}"
+    assert not req.consumed_end, f"{what} after the stream's end"
+    assert out.request_id == req.rid, what
+    indices = [c.index for c in out.outputs]
+    assert set(indices) <= set(range(req.n)), what
+    if awaited:
+        assert indices == list(range(req.n)), f"{what}: awaited, not all n completions in order"
+    limit = req.end_tokens if req.state == "ended" else req.tokens
+    for c in out.outputs:
+        ids = list(c.token_ids)
+        if req.kind is RequestOutputKind.DELTA:
+            req.delta.setdefault(c.index, []).extend(ids)
+        else:
+            assert ids == list(range(len(ids))), what
+            assert len(ids) >= req.cumulative.get(c.index, 0), f"{what}: fewer tokens than before"
+            req.cumulative[c.index] = len(ids)
+        assert len(req.delta.get(c.index, ids)) <= limit or req.lossy, f"{what}: beyond {limit}"
+        req.reasons[c.index] = c.finish_reason
+    if req.kind is RequestOutputKind.FINAL_ONLY:
+        assert out.finished, f"{what}: FINAL_ONLY gave an unfinished output"
+    if not out.finished:
+        assert any(c.finish_reason is None for c in out.outputs) or req.n > 1, what
+        return
+    assert req.state == "ended" and req.outcome in ("length", "abort"), (
+        f"{what}: final, but the model says {req.state} {req.outcome}"
+    )
+    req.consumed_end, req.final = True, out
+    check_final(req, out)
+
+
+def check_final(req: Req, out: RequestOutput) -> None:
+    """Check a final output: every completion ends as the model says, with its tokens."""
+    what = f"{req.rid} ({req.outcome} at {req.end_tokens}): final {out}"
+    expected = list(range(req.end_tokens))
+    for i in range(req.n):
+        assert req.reasons.get(i) == req.outcome, f"{what}: completion {i} ends {req.reasons}"
+        if req.kind is RequestOutputKind.DELTA:
+            assert req.lossy or req.delta.get(i) == expected, f"{what}: deltas {req.delta}"
+            continue
+        completion = next((c for c in out.outputs if c.index == i), None)
+        assert completion is not None, f"{what}: no completion {i}"
+        ids = list(completion.token_ids)
+        if req.kind is RequestOutputKind.FINAL_ONLY and req.outcome == "abort":
+            # With no output from vLLM to copy, the stream's own abort output is empty.
+            assert ids in ([], expected), what
+        else:
+            assert ids == expected, what
+
+
+def names(error: BaseException, cause: str) -> None:
+    """``error``'s message names each death in ``cause`` (one a line)."""
+    for line in cause.split("\n"):
+        assert line in str(error), (str(error), cause)

@@ -73,7 +73,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from vllm import SamplingParams
-from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
@@ -97,6 +96,12 @@ from model_support import (
     FakeCoreProcess,
     Hang,
     LoopThread,
+    Req,
+    Result,
+    absorb,
+    feed,
+    names,
+    piece,
     start_consumer,
     start_inline_break,
     wait,
@@ -111,44 +116,6 @@ MAX_HOLDS = 2  # holds at once (active or pending): more would stop the stepping
 CONSUMERS: list[ConsumerKind] = ["await", "iterate"]
 if "anext" not in AVOID:
     CONSUMERS += ["anext", "anext_aiter", "break_keep"]
-
-
-@dataclass(eq=False)
-class Result:
-    """What a call returned or raised."""
-
-    value: Any = None
-    error: BaseException | None = None
-
-
-@dataclass(eq=False)
-class Req:
-    """A request as the model sees it."""
-
-    rid: str
-    loop: int
-    n: int
-    kind: RequestOutputKind
-    max_tokens: int
-    state: Literal["parked", "running", "ended"]
-    tokens: int = 0
-    outcome: str = ""  # once ended: length, abort, dead or closed
-    end_tokens: int = 0
-    cause: str = ""  # for dead: lines of text the error's message must contain
-    stream: RequestStream | None = None  # the model's reference, if it holds one
-    consumer: Consumer | None = None
-    unread: bool = False  # the stream holds output (or its end) nobody has taken
-    consumed_end: bool = False  # a consumer took the final output or the error
-    closed: bool = False  # aclose()d or dropped: no more consuming
-    lossy: bool = False  # a cancelled await took DELTA pieces that are lost
-    delta: dict[int, list[int]] = field(default_factory=dict)
-    cumulative: dict[int, int] = field(default_factory=dict)
-    reasons: dict[int, str | None] = field(default_factory=dict)
-    final: RequestOutput | None = None
-
-    @property
-    def streaming(self) -> bool:
-        return self.kind is not RequestOutputKind.FINAL_ONLY
 
 
 @dataclass(eq=False)
@@ -211,6 +178,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.fake = CreditEngine(proc)
         self.policy = restarts
         self.deaths: list[str] = []
+        self.planned = 0  # planned restarts (engine.restart()): counted, but no death
         self.steps_base = 0  # the model's step count when this fake came in
         self.rebuilt: list[tuple[CreditEngine, FakeCoreProcess | None]] = []
         self.building, self.built = threading.Event(), threading.Event()
@@ -340,7 +308,7 @@ class EngineMachine(RuleBasedStateMachine):
                 f"{what}: expected {error.__name__}, got {result.error!r} / {result.value!r}"
             )
             if isinstance(result.error, EngineDeadError):
-                _names(result.error, self.cause)
+                names(result.error, self.cause)
 
     def _running(self) -> list[Req]:
         return [r for r in self.reqs.values() if r.state == "running"]
@@ -394,7 +362,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         req.state, req.outcome, req.unread = "ended", "abort", True
         note(f"{req.rid}: aborted at {req.end_tokens} tokens")
-        self._feed(req)
+        feed(req)
         if drain and not self._running():
             self._drained(False)
 
@@ -448,20 +416,6 @@ class EngineMachine(RuleBasedStateMachine):
                 req.state = "running"
         self._limits()
 
-    def _feed(self, req: Req) -> None:
-        """The stream has new output, or its end: a consumer waiting on it takes it now.
-
-        (It does so before the next step or command: rules wait for both loops.)
-        """
-        consumer = req.consumer
-        if consumer is None or consumer.due:
-            return
-        if consumer.kind in ("await", "iterate"):
-            req.unread = False
-            consumer.due = req.state == "ended"
-        elif req.unread or req.state == "ended":
-            consumer.due, req.unread = True, False
-
     def _on_step(self, productive: bool) -> None:
         self.steps += 1
         if productive:
@@ -473,7 +427,7 @@ class EngineMachine(RuleBasedStateMachine):
                     req.state, req.outcome, req.unread = "ended", "length", True
                     req.end_tokens = req.tokens
                     self.finished += 1
-                self._feed(req)
+                feed(req)
         for hold in self.holds:
             if hold.state == "pending" and hold.at_step == self.steps:
                 hold.state, hold.expect_step = "active", self.steps
@@ -493,7 +447,7 @@ class EngineMachine(RuleBasedStateMachine):
             if req.state != "ended":
                 req.state, req.outcome, req.unread = "ended", outcome, True
                 req.cause, req.end_tokens = self.cause, req.tokens
-                self._feed(req)
+                feed(req)
         for hold in self.holds:
             if hold.state == "pending":
                 hold.expect_error = error
@@ -570,7 +524,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert req.stream is not None
         req.consumer = Consumer(kind)
         start_consumer(self.loops[req.loop], req.consumer, req.stream)
-        self._feed(req)
+        feed(req)
 
     @precondition(lambda self: self._consumable())
     @rule(pick=PICK, how=st.sampled_from(CONSUMERS))
@@ -603,7 +557,7 @@ class EngineMachine(RuleBasedStateMachine):
         if consumer.kind == "await" and req.kind is RequestOutputKind.DELTA:
             req.lossy = True
         for out in consumer.outputs:
-            self._piece(req, out, awaited=False)
+            piece(req, out, awaited=False)
         self._abort(req)
         self._limits()
 
@@ -1133,6 +1087,48 @@ class EngineMachine(RuleBasedStateMachine):
         health = self._run(loop, self.engine.check_health, "check_health", False)
         self._expect(health, "check_health after the restart", None)
 
+    @precondition(lambda self: self.phase == "alive")
+    @rule(loop=LOOP, gated=st.booleans())
+    def planned_restart(self, loop: int, gated: bool) -> None:
+        """``engine.restart()``: a new engine, every request resumed on it, no death counted.
+
+        Without a policy it raises ``ValueError`` at once and changes nothing.
+        Gated, the rebuild waits for the test: meanwhile ``check_health()``
+        raises ``EngineRestartingError`` and a call issued then waits.
+        """
+        if self.policy is None:
+            result = self._run(loop, self.engine.restart, "restart()")
+            self._expect(result, "restart() without a RestartPolicy", ValueError)
+            return
+        old = self.fake
+        self.planned += 1
+        note(f"-- engine {self.lifetimes}: restart() on loop {loop}{' (gated)' if gated else ''}")
+        event(f"planned restart{': gated' if gated else ''}")
+        self.gate = threading.Event() if gated else None
+        self.building.clear()
+        self.built.clear()
+        restart = self._submit(loop, self.engine.restart)
+        wait_event(self.building, "the planned rebuild starting")
+        wait_event(old.shut_down, "the old engine's shutdown")
+        assert not old.violations, old.violations
+        waiting: concurrent.futures.Future[Result] | None = None
+        if self.gate is not None:
+            assert self.engine.restarting
+            health = self._run(loop, self.engine.check_health, "check_health", False)
+            self._expect(health, "check_health during restart()", EngineRestartingError)
+            waiting = self._submit(1 - loop, lambda: self.engine.run_on_engine(_itself))
+            assert not waiting.done(), "a call was answered while the engine was rebuilt"
+            self.gate.set()
+        wait_event(self.built, "the new engine being built")
+        self._restarted()
+        self._expect(wait(restart, "restart()"), "restart()", None)
+        if waiting is not None:
+            result = wait(waiting, "the call issued during the rebuild")
+            self._expect(result, "run_on_engine during the rebuild", None)
+            assert result.value is self.fake, "the call issued meanwhile ran on the old engine"
+        health = self._run(loop, self.engine.check_health, "check_health", False)
+        self._expect(health, "check_health after restart()", None)
+
     def _restarted(self) -> None:
         """The new engine is in: the model's requests resume on it, and it takes one credit."""
         fake, proc = self.rebuilt[-1]
@@ -1232,7 +1228,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.steps_base,
         )
         stats = self.engine.stats()
-        assert stats.restarts == len(self.deaths), (stats, self.deaths)
+        assert stats.restarts == len(self.deaths) + self.planned, (stats, self.deaths)
         parked = sum(r.state == "parked" for r in self.reqs.values())
         assert stats.requests_in_flight == len(expected), (stats, expected)
         assert stats.requests_waiting == parked, (stats, parked)
@@ -1267,9 +1263,9 @@ class EngineMachine(RuleBasedStateMachine):
                 continue
             if consumer.due:
                 wait_event(consumer.done, f"{req.rid}: its {consumer.kind} task ending")
-                self._absorb(req, consumer)
+                absorb(req, consumer)
             elif consumer.done.is_set():
-                self._absorb(req, consumer)
+                absorb(req, consumer)
                 raise AssertionError(
                     f"{req.rid}: its {consumer.kind} task ended, but the model says it must wait "
                     f"(state {req.state}): outputs {consumer.outputs}, result {consumer.result}, "
@@ -1298,88 +1294,6 @@ class EngineMachine(RuleBasedStateMachine):
             else:
                 assert not w.done.is_set(), f"a wait pause returned early: {w.result}"
 
-    # -- what a stream gave ------------------------------------------------------------
-
-    def _absorb(self, req: Req, consumer: Consumer) -> None:
-        req.consumer, consumer.task = None, None
-        what = f"{req.rid} ({consumer.kind})"
-        assert not consumer.cancelled, f"{what}: the task was cancelled"
-        for out in consumer.outputs:
-            self._piece(req, out, awaited=False)
-        if consumer.result is not None:
-            self._piece(req, consumer.result, awaited=True)
-        if consumer.error is not None:
-            self._ended_with(req, consumer.error, consumer.trace)
-        elif consumer.stopped:
-            raise AssertionError(f"{what}: StopAsyncIteration before the end")
-        elif consumer.kind in ("await", "iterate"):
-            assert req.consumed_end, f"{what}: ended without a final output"
-        else:
-            assert len(consumer.outputs) == 1, (what, consumer.outputs)
-        if consumer.kind == "iterate" and consumer.error is None:
-            assert consumer.after_end == "stop", (
-                f"{what}: after the end, anext gave {consumer.after_end}"
-            )
-
-    def _ended_with(self, req: Req, error: BaseException, trace: str) -> None:
-        expected = {"dead": EngineDeadError, "closed": EngineClosedError}.get(req.outcome)
-        assert expected is not None and isinstance(error, expected), (
-            f"{req.rid} ({req.state}, {req.outcome}): raised {error!r}\n{trace}"
-        )
-        if isinstance(error, EngineDeadError):
-            _names(error, req.cause)
-        req.consumed_end = True
-
-    def _piece(self, req: Req, out: RequestOutput, awaited: bool) -> None:
-        """Check one output a consumer took against the model, and the end if it is final."""
-        what = f"{req.rid}: output {out}"
-        assert not req.consumed_end, f"{what} after the stream's end"
-        assert out.request_id == req.rid, what
-        indices = [c.index for c in out.outputs]
-        assert set(indices) <= set(range(req.n)), what
-        if awaited:
-            assert indices == list(range(req.n)), f"{what}: awaited, not all n completions in order"
-        limit = req.end_tokens if req.state == "ended" else req.tokens
-        for c in out.outputs:
-            ids = list(c.token_ids)
-            if req.kind is RequestOutputKind.DELTA:
-                req.delta.setdefault(c.index, []).extend(ids)
-            else:
-                assert ids == list(range(len(ids))), what
-                assert len(ids) >= req.cumulative.get(c.index, 0), (
-                    f"{what}: fewer tokens than before"
-                )
-                req.cumulative[c.index] = len(ids)
-            assert len(req.delta.get(c.index, ids)) <= limit or req.lossy, f"{what}: beyond {limit}"
-            req.reasons[c.index] = c.finish_reason
-        if req.kind is RequestOutputKind.FINAL_ONLY:
-            assert out.finished, f"{what}: FINAL_ONLY gave an unfinished output"
-        if not out.finished:
-            assert any(c.finish_reason is None for c in out.outputs) or req.n > 1, what
-            return
-        assert req.state == "ended" and req.outcome in ("length", "abort"), (
-            f"{what}: final, but the model says {req.state} {req.outcome}"
-        )
-        req.consumed_end, req.final = True, out
-        self._check_final(req, out)
-
-    def _check_final(self, req: Req, out: RequestOutput) -> None:
-        what = f"{req.rid} ({req.outcome} at {req.end_tokens}): final {out}"
-        expected = list(range(req.end_tokens))
-        for i in range(req.n):
-            assert req.reasons.get(i) == req.outcome, f"{what}: completion {i} ends {req.reasons}"
-            if req.kind is RequestOutputKind.DELTA:
-                assert req.lossy or req.delta.get(i) == expected, f"{what}: deltas {req.delta}"
-                continue
-            completion = next((c for c in out.outputs if c.index == i), None)
-            assert completion is not None, f"{what}: no completion {i}"
-            ids = list(completion.token_ids)
-            if req.kind is RequestOutputKind.FINAL_ONLY and req.outcome == "abort":
-                # With no output from vLLM to copy, the stream's own abort output is empty.
-                assert ids in ([], expected), what
-            else:
-                assert ids == expected, what
-
 
 # -- coroutines run on the loops ---------------------------------------------------
 
@@ -1391,12 +1305,6 @@ def _noop(_: object) -> None:
 def _one(counts: set[int]) -> int | set[int]:
     """The one count all completions of a request have (else all of them, to fail on)."""
     return next(iter(counts)) if len(counts) == 1 else counts
-
-
-def _names(error: BaseException, cause: str) -> None:
-    """``error``'s message names each death in ``cause`` (one a line)."""
-    for line in cause.split("\n"):
-        assert line in str(error), (str(error), cause)
 
 
 def _itself(engine: object) -> object:
