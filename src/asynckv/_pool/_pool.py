@@ -379,6 +379,17 @@ class AsyncEnginePool:
         with self._lock:
             self._router.draining -= {index}
 
+    @property
+    def drained(self) -> frozenset[int]:
+        """The members the pool routes no new request to: ``drain`` called, ``readmit`` not yet.
+
+        A member is in it from the moment ``drain`` is called, while its
+        requests move or finish, until it is readmitted (during a ``rolling``
+        call, the member being rolled). Never blocks; any thread.
+        """
+        with self._lock:
+            return self._router.draining
+
     @contextlib.asynccontextmanager
     async def draining(
         self, index: int, *, handoff: bool = True, timeout: float | None = None
