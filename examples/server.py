@@ -30,12 +30,26 @@ Endpoints:
   on every engine): completions that arrive meanwhile wait; ``POST /resume`` admits them.
 * ``GET /health``: 200 while an engine is usable, 503 once none is: with
   ``{"status": "degraded"}`` while one restarts (``--restart``), else an error.
+  With ``--engines N``, ``"draining"`` lists the members taking no new
+  request (``[]`` but during a rolling restart).
+* ``POST /admin/rolling_restart``: ``{"handoff": bool}`` (default true) in;
+  restarts every engine in turn, rebuilt from the same arguments, and returns
+  once the last is back: ``{"members": [{"index", "moved", "stayed"}, ...]}``.
+  With ``--engines N`` (``AsyncEnginePool.rolling`` with ``engine.restart``)
+  the pool serves throughout: a member's streams move to another member
+  (``handoff``) and continue from their last token, or finish where they are
+  (``"handoff": false``) before it restarts. With one engine it is a planned
+  ``engine.restart()``: its streams pause, then go on (``"members"`` is empty:
+  nothing is drained). Needs ``--restart N`` (only then do requests keep the
+  state they continue from; ``--restart 0`` keeps every death final) and
+  ``--api-key`` (it answers 403 without one);
+  409 while a roll already runs.
 * ``GET /stats``: the requests in flight, waiting, finished and aborted over
   all engines, and each engine's ``AsyncEngine.stats()``.
 
 Limits: the server listens on 127.0.0.1 unless ``--host`` says otherwise;
-with ``--api-key KEY`` every ``/v1`` endpoint answers 401 without
-``Authorization: Bearer KEY``; with ``--max-pending N``, a completion beyond N
+with ``--api-key KEY`` every ``/v1`` and ``/admin`` endpoint answers 401
+without ``Authorization: Bearer KEY``; with ``--max-pending N``, a completion beyond N
 in flight gets 429 with ``Retry-After`` instead of a place in an unbounded
 queue. ``--engines N`` serves from ``AsyncEnginePool``, N engines on one loop.
 ``--restart N`` rebuilds an engine that died (its engine core killed, say)
@@ -108,6 +122,13 @@ class ResetBody(BaseModel):
     reset_running_requests: bool = False
 
 
+class RollBody(BaseModel):
+    """The body of ``POST /admin/rolling_restart``: move the streams, or let them finish."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    handoff: bool = True
+
+
 class PauseBody(BaseModel):
     """The body of ``POST /pause``: what happens to the requests in flight."""
 
@@ -169,7 +190,10 @@ async def _on_invalid_body(request: Request, exc: Exception) -> JSONResponse:
 
 
 class Guard:
-    """ASGI middleware: the API key on ``/v1``, and at most ``max_pending`` completions in flight.
+    """ASGI middleware: the API key on ``/v1`` and ``/admin``, and at most ``max_pending``
+    completions in flight.
+
+    The ``/admin`` routes restart engines: without an API key they answer 403.
 
     A completion counts from its arrival to the end of its response (the last
     event of a stream), so the bound holds however the clients behave.
@@ -183,14 +207,19 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        path = scope["path"]
+        if path.startswith("/admin") and self.api_key is None:
+            await _error(403, "the /admin routes need the server started with --api-key",
+                         "permission_error")(scope, receive, send)  # fmt: skip
+            return
+        if self.api_key is not None and path.startswith(("/v1", "/admin")):
             headers = dict(scope["headers"])
             if headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
                 await _error(401, "a valid API key is required", "authentication_error")(
                     scope, receive, send
                 )
                 return
-        if scope["path"] != "/v1/completions":
+        if path != "/v1/completions":
             await self.app(scope, receive, send)
             return
         if self.max_pending is not None and self.pending >= self.max_pending:
@@ -336,11 +365,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Any:
+        # Which members take no new request (a rolling restart's current one).
+        draining: dict[str, Any] = {}
+        if isinstance(backend, AsyncEnginePool):
+            draining["draining"] = sorted(backend.drained)
         errors, restarting = [], False
         for engine in members:
             try:
                 await engine.check_health()
-                return {"status": "ok"}
+                return {"status": "ok", **draining}
             except EngineRestartingError as exc:
                 restarting = True
                 errors.append(str(exc))
@@ -348,8 +381,36 @@ def create_app(
                 errors.append(str(exc))
         if restarting:
             # Degraded, not dead: requests wait and resume once the engine is back.
-            return JSONResponse({"status": "degraded", "detail": "; ".join(errors)}, 503)
+            degraded = {"status": "degraded", "detail": "; ".join(errors), **draining}
+            return JSONResponse(degraded, 503)
         return _error(503, "; ".join(errors), "service_unavailable")
+
+    rolling = asyncio.Lock()  # one roll at a time: a second is refused, not queued
+
+    @app.post("/admin/rolling_restart")
+    async def rolling_restart(body: RollBody | None = None) -> Any:
+        handoff = body is None or body.handoff
+        if restart is None:
+            needs = "a restart needs the server started with --restart N (0: deaths stay final)"
+            return _error(409, needs, "conflict")
+        if rolling.locked():
+            return _error(409, "a rolling restart is already running", "conflict")
+        async with rolling:
+            try:
+                if isinstance(backend, AsyncEnginePool):
+                    drained = await backend.rolling(_restart, handoff=handoff)
+                else:
+                    await backend.restart()
+                    drained = []  # nothing drained: its streams continue on the new engine
+            except UNAVAILABLE as exc:
+                return _error(503, str(exc), "service_unavailable")
+            except ValueError as exc:  # the roll can't hand over (a member is dead, say)
+                return _error(409, str(exc), "conflict")
+        return {
+            "members": [
+                {"index": d.index, "moved": len(d.moved), "stayed": len(d.stayed)} for d in drained
+            ]
+        }
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
@@ -362,6 +423,10 @@ def create_app(
         }
 
     return app
+
+
+async def _restart(engine: AsyncEngine) -> None:
+    await engine.restart()
 
 
 def _prompts(prompt: Any) -> list[str | TokensPrompt]:

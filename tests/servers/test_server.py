@@ -1,16 +1,19 @@
 """The example server (examples/server.py) over real HTTP, with httpx and the openai client.
 
 One server process serves the whole module: two engines (``--engines 2``, an
-``AsyncEnginePool``) on the tiny model, an API key and ``--max-pending``, on a
-free loopback port; it is stopped at the end, where it must exit cleanly and
-leave no process behind. Tests that stream leave the engines with no
-unfinished request; the last test kills the engines and so must stay last.
+``AsyncEnginePool``) on the tiny model, an API key, ``--max-pending`` and
+``--restart 0`` (every death final, but requests keep the state a rolling
+restart continues them from), on a free loopback port; it is stopped at the
+end, where it must exit cleanly and leave no process behind. Tests that
+stream leave the engines with no unfinished request; the last test kills the
+engines and so must stay last.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -25,7 +28,15 @@ import openai
 import psutil
 import pytest
 
-from support import Launch, ServerProcess, http_client, openai_client, serve_bench, served
+from support import (
+    Launch,
+    ServerProcess,
+    http_client,
+    openai_client,
+    serve_bench,
+    served,
+    sse_data,
+)
 
 # The server runs as a subprocess with vLLM's default engine settings, sized for this machine.
 # Server starts (15-200 s on 2 busy cores) count against the first test's timeout.
@@ -50,7 +61,7 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         *("--host", "127.0.0.1", "--model", str(model_path)),
         *("--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--enforce-eager"),
         *("--engines", str(ENGINES), "--api-key", KEY, "--max-pending", str(MAX_PENDING)),
-        "--disable-log-stats",
+        *("--restart", "0", "--disable-log-stats"),
     ]
     with served(tmp_path_factory.mktemp("server"), server=Launch(command, str(model_path))) as up:
         yield up["server"]
@@ -137,7 +148,7 @@ async def test_health_stats_and_models(client: httpx.AsyncClient, server: Server
     from asynckv import EngineStats
 
     r = await client.get("/health")
-    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    assert (r.status_code, r.json()) == (200, {"status": "ok", "draining": []})
     stats = await _stats(client)
     assert len(stats["engines"]) == ENGINES
     assert all(set(engine) == set(EngineStats._fields) for engine in stats["engines"])
@@ -441,13 +452,14 @@ def test_vllm_bench_serve(server: Server, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 async def test_api_key(server: Server) -> None:
-    """Without the key /v1 answers 401; /health and /stats stay open."""
+    """Without the key /v1 and /admin answer 401; /health and /stats stay open."""
     async with httpx.AsyncClient(base_url=server.url, timeout=30.0) as anonymous:
         r = await anonymous.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error"
         wrong = {"Authorization": "Bearer nope"}
         assert (await anonymous.get("/v1/models", headers=wrong)).status_code == 401
+        assert (await anonymous.post("/admin/rolling_restart")).status_code == 401
         assert (await anonymous.get("/health")).status_code == 200
         assert (await anonymous.get("/stats")).status_code == 200
 
@@ -543,6 +555,102 @@ async def test_load_with_disconnects(client: httpx.AsyncClient) -> None:
     finished = after["requests_finished"] - before["requests_finished"]
     assert finished == clients, after  # aborted requests end with a final output too
     print(f"{clients} clients in {elapsed:.1f} s, at most {peak} requests in flight")
+
+
+# -- a rolling restart ----------------------------------------------------------------
+
+ROLLED = 32  # SSE clients through the roll
+ROLL_TOKENS = 384  # long enough that both members' drains find streams in flight
+
+
+async def test_rolling_restart_keeps_every_sse_client(client: httpx.AsyncClient) -> None:
+    """POST /admin/rolling_restart under 32 SSE clients: every one gets its whole completion,
+    [DONE] and exact usage; /health names the member being drained; both engines restart."""
+    prompts = [f"Client {i} rolls on and on" for i in range(ROLLED)]
+    # Each prompt's token count, for the exact usage: one token of each, before the roll.
+    short = {"max_tokens": 1, "temperature": 0.0}
+    counted = await asyncio.gather(
+        *(client.post("/v1/completions", json={**short, "prompt": p}) for p in prompts)
+    )
+    prompt_tokens = [r.json()["usage"]["prompt_tokens"] for r in counted]
+    before = [e["restarts"] for e in (await _settled(client))["engines"]]
+    started = asyncio.Semaphore(0)
+
+    async def one(prompt: str) -> dict[str, Any]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": ROLL_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        seen: dict[str, Any] = {"started": False, "text": "", "finish": None, "usage": None}
+        seen["done"] = False
+        async with client.stream("POST", "/v1/completions", json=body, timeout=600) as r:
+            assert r.status_code == 200, await r.aread()
+            async for data in sse_data(r):
+                if data == "[DONE]":
+                    seen["done"] = True
+                    continue
+                chunk = json.loads(data)
+                assert "error" not in chunk, chunk
+                if not seen["started"]:
+                    seen["started"] = True
+                    started.release()
+                for choice in chunk["choices"]:
+                    seen["text"] += choice["text"]
+                    seen["finish"] = choice["finish_reason"] or seen["finish"]
+                seen["usage"] = chunk.get("usage") or seen["usage"]
+        return seen
+
+    clients = [asyncio.create_task(one(p)) for p in prompts]
+    for _ in prompts:
+        await started.acquire()
+    draining: list[list[int]] = []
+    rolling = asyncio.Event()
+
+    async def watch() -> None:
+        while True:
+            health = await client.get("/health")
+            assert health.status_code == 200, health.text  # the pool serves throughout
+            now = health.json()["draining"]
+            if not draining or draining[-1] != now:
+                draining.append(now)
+            if now:
+                rolling.set()
+            await asyncio.sleep(0.05)  # polling the server: there is no event to wait on
+
+    watcher = asyncio.create_task(watch())
+    began = time.monotonic()
+    roll = asyncio.create_task(
+        client.post("/admin/rolling_restart", json={"handoff": True}, timeout=600)
+    )
+    try:
+        await asyncio.wait_for(rolling.wait(), 60)
+        busy = await client.post("/admin/rolling_restart")
+        assert busy.status_code == 409, busy.text  # one roll at a time
+        assert busy.json()["error"]["message"] == "a rolling restart is already running"
+        rolled = await roll
+    finally:
+        watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher  # raises what the watcher found, if anything
+    assert rolled.status_code == 200, rolled.text
+    members = rolled.json()["members"]
+    assert [m["index"] for m in members] == [0, 1], members
+    assert members[0]["moved"] > 0 and members[0]["stayed"] == 0, members
+    results = await asyncio.gather(*clients)
+    for seen, count in zip(results, prompt_tokens, strict=True):
+        assert seen["done"] and seen["finish"] == "length", seen
+        usage = {"prompt_tokens": count, "completion_tokens": ROLL_TOKENS}
+        assert seen["usage"] == {**usage, "total_tokens": count + ROLL_TOKENS}, seen
+    assert [0] in draining and [1] in draining, draining
+    assert (await client.get("/health")).json() == {"status": "ok", "draining": []}
+    after = await _settled(client)
+    assert [e["restarts"] - b for e, b in zip(after["engines"], before, strict=True)] == [1, 1]
+    seconds = time.monotonic() - began
+    print(f"rolled in {seconds:.1f} s: {members}; /health said draining: {draining}")
 
 
 # -- a dead engine (kills the module's engine: keep this test last) -----------------
