@@ -155,12 +155,22 @@ _FIGURES: list[str] = []
 
 @pytest.fixture
 def figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
-    """Record one line of figures for this test."""
+    """Record one line of figures for this test, printed at the end of the run.
+
+    Kept in the test's report (``user_properties``), which pytest-xdist sends
+    from the process that ran the test to the one that prints the summary.
+    """
 
     def record(line: str) -> None:
-        _FIGURES.append(f"{request.node.name}: {line}")
+        request.node.user_properties.append(("figures", f"{request.node.name}: {line}"))
 
     return record
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # The teardown report carries every figure the test recorded, its fixtures' included.
+    if report.when == "teardown":
+        _FIGURES.extend(str(value) for key, value in report.user_properties if key == "figures")
 
 
 # A test that takes one of these fixtures drives a real engine.
