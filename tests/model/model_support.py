@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Literal, TypeVar
 
+from hypothesis import note
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from vllm import SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
@@ -603,3 +605,87 @@ def names(error: BaseException, cause: str) -> None:
     """``error``'s message names each death in ``cause`` (one a line)."""
     for line in cause.split("\n"):
         assert line in str(error), (str(error), cause)
+
+
+class StreamRules(RuleBasedStateMachine):
+    """The rules both fake-engine machines share: a stream consumed, cancelled, closed.
+
+    A machine that inherits them keeps its requests in ``reqs`` and its loops
+    in ``loops``, and says what its model does where they differ: ``_abort``
+    (the model's side of an abort), ``_aclose`` (``stream.aclose()`` run on a
+    loop) and ``_settled`` (what it checks once a cancelled request has ended).
+    Its own ``consume`` rule picks from ``_consumable`` with its own consumers.
+    """
+
+    reqs: dict[str, Req]
+    loops: list[LoopThread]
+
+    def _abort(self, req: Req) -> None:
+        raise NotImplementedError
+
+    def _aclose(self, loop: int, stream: RequestStream) -> Result:
+        raise NotImplementedError
+
+    def _settled(self) -> None:
+        raise NotImplementedError
+
+    def _pick(self, items: list[Any], pick: int) -> Any:
+        return items[pick % len(items)]
+
+    def _consumable(self) -> list[Req]:
+        return [
+            r
+            for r in self.reqs.values()
+            if r.stream is not None and r.consumer is None and not r.closed and not r.consumed_end
+        ]
+
+    def _start_consumer(self, req: Req, kind: ConsumerKind) -> None:
+        assert req.stream is not None
+        req.consumer = Consumer(kind)
+        start_consumer(self.loops[req.loop], req.consumer, req.stream)
+        feed(req)
+
+    def _waiting_consumers(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.consumer is not None and not r.consumer.due]
+
+    @precondition(lambda self: self._waiting_consumers())
+    @rule(pick=PICK)
+    def cancel(self, pick: int) -> None:
+        """Cancel the task that awaits, iterates or ``anext``s a stream: its request is aborted."""
+        req = self._pick(self._waiting_consumers(), pick)
+        consumer = req.consumer
+        assert consumer is not None and consumer.task is not None
+        note(f"{req.rid}: cancel its {consumer.kind} task")
+        task = consumer.task
+
+        async def go() -> None:
+            task.cancel()
+            await asyncio.wait([task], timeout=BOUND)
+
+        self.loops[req.loop].call(go, "cancelling a consumer")
+        wait_event(consumer.done, f"{req.rid}: the cancelled {consumer.kind} task ending")
+        assert consumer.cancelled, f"{req.rid}: cancelled, the task ended with {consumer.error!r}"
+        req.consumer, consumer.task = None, None
+        if consumer.kind == "await" and req.kind is RequestOutputKind.DELTA:
+            req.lossy = True
+        for out in consumer.outputs:
+            piece(req, out, awaited=False)
+        self._abort(req)
+        self._settled()
+
+    def _closable(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.stream is not None and r.consumer is None]
+
+    @precondition(lambda self: self._closable())
+    @rule(pick=PICK)
+    def stream_aclose(self, pick: int) -> None:
+        """``await stream.aclose()``: aborts an unfinished request, returns once it ended."""
+        req = self._pick(self._closable(), pick)
+        note(f"{req.rid}: aclose()")
+        stream = req.stream
+        assert stream is not None
+        result = self._aclose(req.loop, stream)
+        del stream
+        assert result.error is None, f"stream.aclose() raised {result.error!r}"
+        self._abort(req)
+        req.closed, req.consumed_end, req.unread = True, True, False

@@ -64,7 +64,6 @@ import pytest
 from hypothesis import event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine,
     initialize,
     invariant,
     precondition,
@@ -82,6 +81,7 @@ from asynckv import (
     EngineClosedError,
     EngineDeadError,
     EngineRestartingError,
+    RequestStream,
     RestartPolicy,
 )
 from model_support import (
@@ -89,17 +89,15 @@ from model_support import (
     KINDS,
     LOOP,
     PICK,
-    Consumer,
     ConsumerKind,
     CreditEngine,
     Hang,
     LoopThread,
     Req,
     Result,
+    StreamRules,
     absorb,
     feed,
-    piece,
-    start_consumer,
     wait,
     wait_event,
 )
@@ -154,7 +152,7 @@ class DrainRec:
     empty: bool = False  # the pool was closed first: the record is empty
 
 
-class PoolMachine(RuleBasedStateMachine):
+class PoolMachine(StreamRules):
     """See the module docstring."""
 
     def __init__(self) -> None:
@@ -305,9 +303,6 @@ class PoolMachine(RuleBasedStateMachine):
             else:
                 member.fake.forbidden = None
 
-    def _pick(self, items: list[Any], pick: int) -> Any:
-        return items[pick % len(items)]
-
     # -- model transitions -----------------------------------------------------------
 
     def _abort(self, req: Req) -> None:
@@ -424,18 +419,11 @@ class PoolMachine(RuleBasedStateMachine):
         """The same as ``generate``: a second rule, so that requests come often."""
         self.generate(loop, n, kind, tokens)
 
-    def _consumable(self) -> list[Req]:
-        return [
-            r
-            for r in self.reqs.values()
-            if r.stream is not None and r.consumer is None and not r.closed and not r.consumed_end
-        ]
+    def _aclose(self, loop: int, stream: RequestStream) -> Result:
+        return self._run(loop, stream.aclose, "stream.aclose()")
 
-    def _start_consumer(self, req: Req, kind: ConsumerKind) -> None:
-        assert req.stream is not None
-        req.consumer = Consumer(kind)
-        start_consumer(self.loops[req.loop], req.consumer, req.stream)
-        feed(req)
+    def _settled(self) -> None:
+        self._barrier_all()
 
     @precondition(lambda self: self._consumable())
     @rule(pick=PICK, how=st.sampled_from(CONSUMERS))
@@ -443,51 +431,6 @@ class PoolMachine(RuleBasedStateMachine):
         req = self._pick(self._consumable(), pick)
         note(f"{req.rid}: {how}")
         self._start_consumer(req, how)
-
-    def _waiting_consumers(self) -> list[Req]:
-        return [r for r in self.reqs.values() if r.consumer is not None and not r.consumer.due]
-
-    @precondition(lambda self: self._waiting_consumers())
-    @rule(pick=PICK)
-    def cancel(self, pick: int) -> None:
-        """Cancel the task that awaits, iterates or ``anext``s a stream: its request is aborted."""
-        req = self._pick(self._waiting_consumers(), pick)
-        consumer = req.consumer
-        assert consumer is not None and consumer.task is not None
-        note(f"{req.rid}: cancel its {consumer.kind} task")
-        task = consumer.task
-
-        async def go() -> None:
-            task.cancel()
-            await asyncio.wait([task], timeout=BOUND)
-
-        self.loops[req.loop].call(go, "cancelling a consumer")
-        wait_event(consumer.done, f"{req.rid}: the cancelled {consumer.kind} task ending")
-        assert consumer.cancelled, f"{req.rid}: cancelled, the task ended with {consumer.error!r}"
-        req.consumer, consumer.task = None, None
-        if consumer.kind == "await" and req.kind is RequestOutputKind.DELTA:
-            req.lossy = True
-        for out in consumer.outputs:
-            piece(req, out, awaited=False)
-        self._abort(req)
-        self._barrier_all()
-
-    def _closable(self) -> list[Req]:
-        return [r for r in self.reqs.values() if r.stream is not None and r.consumer is None]
-
-    @precondition(lambda self: self._closable())
-    @rule(pick=PICK)
-    def stream_aclose(self, pick: int) -> None:
-        """``await stream.aclose()``: aborts an unfinished request wherever it moved to."""
-        req = self._pick(self._closable(), pick)
-        note(f"{req.rid}: aclose()")
-        stream = req.stream
-        assert stream is not None
-        result = self._run(req.loop, stream.aclose, "stream.aclose()")
-        del stream
-        self._expect(result, "stream.aclose()", None)
-        self._abort(req)
-        req.closed, req.consumed_end, req.unread = True, True, False
 
     @precondition(lambda self: self.phase == "alive" and self.reqs)
     @rule(loop=LOOP, picks=st.lists(PICK, max_size=3), unknown=st.booleans())
