@@ -689,3 +689,32 @@ class StreamRules(RuleBasedStateMachine):
         assert result.error is None, f"stream.aclose() raised {result.error!r}"
         self._abort(req)
         req.closed, req.consumed_end, req.unread = True, True, False
+
+    def _settle_consumers(self) -> None:
+        """Every consumer due has ended, as predicted; every other one still waits."""
+        for req in list(self.reqs.values()):
+            consumer = req.consumer
+            if consumer is None:
+                continue
+            if consumer.due:
+                wait_event(consumer.done, f"{req.rid}: its {consumer.kind} task ending")
+                absorb(req, consumer)
+            elif consumer.done.is_set():
+                absorb(req, consumer)
+                raise AssertionError(
+                    f"{req.rid}: its {consumer.kind} task ended, but the model says it must wait "
+                    f"(state {req.state}): outputs {consumer.outputs}, result {consumer.result}, "
+                    f"error {consumer.error!r} {consumer.trace}"
+                )
+
+
+def held_tokens(snapshot: dict[str, int]) -> dict[str, set[int]]:
+    """Each request's token counts in an engine's snapshot (engine id -> tokens).
+
+    A resumed n=2 request is one engine request per completion
+    (``<id>#<restart>.<index>``), so a request may hold several counts.
+    """
+    held: dict[str, set[int]] = {}
+    for engine_id, tokens in snapshot.items():
+        held.setdefault(engine_id.split("#")[0], set()).add(tokens)
+    return held

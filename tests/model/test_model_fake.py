@@ -97,8 +97,8 @@ from model_support import (
     Req,
     Result,
     StreamRules,
-    absorb,
     feed,
+    held_tokens,
     names,
     start_inline_break,
     wait,
@@ -1155,10 +1155,7 @@ class EngineMachine(StreamRules):
         snapshot = self._run(0, lambda: self.engine.run_on_engine(_unfinished), "snapshot", False)
         self._expect(snapshot, "snapshot", None)
         expected = {r.rid: r.tokens for r in self._running()}
-        # A resumed n=2 request is one engine request per completion: <id>#<restart>.<index>.
-        held: dict[str, set[int]] = {}
-        for engine_id, tokens in snapshot.value.items():
-            held.setdefault(engine_id.split("#")[0], set()).add(tokens)
+        held = held_tokens(snapshot.value)
         assert {rid: _one(counts) for rid, counts in held.items()} == expected, (
             f"the engine holds {snapshot.value}, the model says {expected}"
         )
@@ -1199,20 +1196,7 @@ class EngineMachine(StreamRules):
 
     def _settle(self) -> None:
         """Everything due has completed, as predicted; everything else still waits."""
-        for req in list(self.reqs.values()):
-            consumer = req.consumer
-            if consumer is None:
-                continue
-            if consumer.due:
-                wait_event(consumer.done, f"{req.rid}: its {consumer.kind} task ending")
-                absorb(req, consumer)
-            elif consumer.done.is_set():
-                absorb(req, consumer)
-                raise AssertionError(
-                    f"{req.rid}: its {consumer.kind} task ended, but the model says it must wait "
-                    f"(state {req.state}): outputs {consumer.outputs}, result {consumer.result}, "
-                    f"error {consumer.error!r} {consumer.trace}"
-                )
+        self._settle_consumers()
         for hold in list(self.holds):
             if hold.expect_error is not None:
                 wait_event(hold.done, f"hold {hold.hid} failing")

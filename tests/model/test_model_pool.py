@@ -96,8 +96,8 @@ from model_support import (
     Req,
     Result,
     StreamRules,
-    absorb,
     feed,
+    held_tokens,
     wait,
     wait_event,
 )
@@ -808,10 +808,7 @@ class PoolMachine(StreamRules):
         snapshot = self._run(0, lambda: engine.run_on_engine(_unfinished), "snapshot")
         self._expect(snapshot, "snapshot", None)
         expected = {r.rid: r.tokens for r in self._on(index, "running")}
-        # A resumed n=2 request is one engine request per completion: <id>#<move>.<index>.
-        held: dict[str, set[int]] = {}
-        for engine_id, tokens in snapshot.value.items():
-            held.setdefault(engine_id.split("#")[0], set()).add(tokens)
+        held = held_tokens(snapshot.value)
         got = {rid: next(iter(c)) if len(c) == 1 else c for rid, c in held.items()}
         assert got == expected, f"member {index} holds {snapshot.value}, the model says {expected}"
         assert not member.fake.violations, member.fake.violations
@@ -825,20 +822,7 @@ class PoolMachine(StreamRules):
 
     def _settle(self) -> None:
         """Everything due has completed, as predicted; everything else still waits."""
-        for req in list(self.reqs.values()):
-            consumer = req.consumer
-            if consumer is None:
-                continue
-            if consumer.due:
-                wait_event(consumer.done, f"{req.rid}: its {consumer.kind} task ending")
-                absorb(req, consumer)
-            elif consumer.done.is_set():
-                absorb(req, consumer)
-                raise AssertionError(
-                    f"{req.rid}: its {consumer.kind} task ended, but the model says it must wait "
-                    f"(state {req.state}): outputs {consumer.outputs}, result {consumer.result}, "
-                    f"error {consumer.error!r} {consumer.trace}"
-                )
+        self._settle_consumers()
         for drain in list(self.drains):
             if drain.due:
                 result = wait(drain.future, f"the drain of member {drain.member} returning")
