@@ -70,9 +70,11 @@ def test_cost_curve_smallest_size(tmp_path: Path) -> None:
     cost = json.loads(out.with_suffix(".json").read_text())
     assert cost["submission"]["requests"] == 20
     memory = cost["memory"]["10"]
-    # Parked requests are the facade's alone; admitted ones cost vLLM too.
+    # Parked requests never reach vLLM's engine core; since their input is processed
+    # when submitted (off the worker, issue 29), each holds its engine-core request
+    # on the client side. Admitted ones cost vLLM's client more (its request state).
     assert memory["parked"]["asynckv"] > 0
-    assert memory["parked"]["vllm_client"] == memory["parked"]["vllm_core"] == 0
+    assert memory["parked"]["vllm_core"] == 0
     assert memory["admitted"]["vllm_client"] > 0
     png = tmp_path / "curve.png"
     bench = ROOT / "docs" / "img" / "cpu-issue16-separate.json"
