@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from vllm import SamplingParams
 
-from asynckv import AsyncEngine
+from asynckv import AsyncEngine, EngineClosedError
 from fakes import FakeEngine
 from model_support import BOUND
 
@@ -117,3 +117,23 @@ async def test_worker_steps_while_a_request_is_being_built(
     assert final.outputs[0].finish_reason == "abort"
     assert fake.log.index("add held") < fake.log.index("abort held")
     await running.aclose()
+
+
+async def test_close_ends_a_request_still_being_built(
+    preparing: tuple[PreparingEngine, AsyncEngine],
+) -> None:
+    """A close while a request's input is still being built (the worker stepping others
+    meanwhile) ends that request's stream with the close's error; it never hangs."""
+    fake, engine = preparing
+    running = engine.generate("running", SamplingParams(max_tokens=10**6), prompt_text="r")
+    outputs = aiter(running)
+    await asyncio.wait_for(anext(outputs), BOUND)
+    fake.built.clear()
+    fake.processing.clear()
+    held = engine.generate("held", SamplingParams(max_tokens=10**6), "held", prompt_text="h")
+    assert await asyncio.to_thread(fake.processing.wait, BOUND)
+    await asyncio.wait_for(anext(outputs), BOUND)  # a step read while "held" waits
+    await asyncio.wait_for(engine.aclose(), BOUND)
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(held, BOUND)
+    assert "add held" not in fake.log

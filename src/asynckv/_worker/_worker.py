@@ -297,6 +297,9 @@ class Worker:
             try:
                 planned = self._serve(run, outbox, began, answer)
                 if planned is None:
+                    # Closed: what the loop had put off for a later pass (an Add whose
+                    # input was still being built) ends with the close's error.
+                    self._fail_carried(run, outbox, None)
                     return
                 decoded = self._planned(run, planned, outbox)
                 refused = decoded is None and not self.registry.ended
@@ -329,7 +332,7 @@ class Worker:
                     return
 
     def _fail_carried(self, run: EngineRun, outbox: Outbox, answer: Reply | None) -> None:
-        # No new engine will come: the commands kept to apply again there fail now.
+        # No engine will apply them: the commands kept for a new engine or a later pass fail now.
         error = self.registry.error or EngineDeadError(RuntimeError("ended"))
         if answer is not None:
             answer.fail(outbox, error)
